@@ -1,0 +1,33 @@
+"""Exception types of onnxopt: each names the input, what was expected and what was given."""
+
+from __future__ import annotations
+
+__all__ = ["OnnxoptError", "ModelError", "NotDifferentiableError", "DslError", "DataError", "ConvergenceError"]
+
+
+class OnnxoptError(Exception):
+    """Base class of every error onnxopt raises on purpose."""
+
+
+class ModelError(OnnxoptError, ValueError):
+    """The ONNX model cannot be used as given (unknown weight, missing output, unsupported version...)."""
+
+
+class NotDifferentiableError(ModelError):
+    """onnxruntime-training has no gradient for some nodes of the model; ``nodes`` lists (op_type, node name)."""
+
+    def __init__(self, message: str, nodes: list[tuple[str, str]]):
+        super().__init__(message)
+        self.nodes = nodes
+
+
+class DslError(OnnxoptError, TypeError):
+    """A loss, penalty, update rule or schedule is malformed (wrong signature, outputs or parameters)."""
+
+
+class DataError(OnnxoptError, ValueError):
+    """Training data does not match the compiled step (shape, dtype, length, non-finite values)."""
+
+
+class ConvergenceError(OnnxoptError, ArithmeticError):
+    """The loss or the weights became NaN or infinite; the last finite weights were kept."""

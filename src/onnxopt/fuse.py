@@ -1,0 +1,240 @@
+"""The fusion pass: model forward + loss + backward + penalty + update rule -> one training-step graph.
+
+Rewrites, in order, on the gradient graph from ``gradient.gradient_ir`` (forward, YieldOp, backward):
+- the output gradient (the YieldOp's output) is computed from the prediction by the loss and its gradient;
+- each weight gradient gets its penalty gradient, then global-norm clipping;
+- the schedule turns the step counter into a learning rate and the update rule makes new weights and state;
+- every DSL function is inlined, dead nodes dropped, versions set to what onnxruntime loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common as passes
+
+from onnxopt import graphs
+from onnxopt.dsl.core import Loss, Penalty, Schedule, UpdateRule
+from onnxopt.dsl.losses import weighted_mean, weighted_sum
+from onnxopt.errors import DslError, ModelError
+from onnxopt.gradient import check_weights, gradient_ir
+from onnxopt.modelio import ModelLike, load_model, runtime_limits
+from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
+from onnxopt.step import NEW, STEP, TrainStep
+
+__all__ = ["compile_train_step", "select_output", "loss_graph"]
+
+logger = logging.getLogger(__name__)
+
+
+def select_output(m: ir.Model, output: str | None, what: str = "output") -> ir.Value:
+    """The model output the loss reads; ``output`` is required when the model has several."""
+    outs = {v.name: v for v in m.graph.outputs}
+    if output is None:
+        if len(outs) != 1:
+            raise ModelError(f"{what}: the model has {len(outs)} outputs {list(outs)}; pass {what}= to pick one")
+        return m.graph.outputs[0]
+    if output not in outs:
+        raise ModelError(f"{what}: {output!r} is not an output of the model (expected one of {list(outs)})")
+    return outs[output]
+
+
+def _keep_only(m: ir.Model, value: ir.Value) -> None:
+    m.graph.outputs.clear()
+    m.graph.outputs.append(value)
+    passes.RemoveUnusedNodesPass()(m)
+
+
+def _target_input(graph: ir.Graph, loss: Loss, y: ir.Value) -> ir.Value:
+    if loss.target == "index":
+        return graphs.new_input(graph, "target", dtype=ir.DataType.INT64, shape=["N"])
+    return graphs.new_input(graph, "target", dtype=y.dtype)
+
+
+def _apply_loss(model: ir.Model, loss: Loss, ins: list[ir.Value]) -> ir.Value:
+    """Calls the loss (and its reduction with the sample weight) on ``ins`` = [y, t(, sample_weight)]."""
+    if loss.reduction is None:
+        return graphs.call(model, loss.fn, ins, loss.call_attrs(), "loss/fn")[0]
+    per_sample = graphs.call(model, loss.fn, ins[:2], loss.call_attrs(), "loss/per_sample")[0]
+    reducer = weighted_mean if loss.reduction == "mean" else weighted_sum
+    return graphs.call(model, reducer, [per_sample, ins[2]], {}, "loss/reduce")[0]
+
+
+def loss_graph(loss: Loss, y: ir.Value, opset: int) -> ir.Model:
+    """A standalone model (y, target[, sample_weight]) -> loss, its DSL calls inlined."""
+    graph = ir.Graph([], [], nodes=[], opset_imports={"": opset}, name="loss")
+    model = ir.Model(graph, ir_version=10)
+    ins = [graphs.new_input(graph, "y", like=y), _target_input(graph, loss, y)]
+    if loss.weighted:
+        ins.append(graphs.new_input(graph, "sample_weight", dtype=y.dtype, shape=["N"]))
+    out = _apply_loss(model, loss, ins)
+    out.name = "loss"
+    graph.outputs.append(out)
+    passes.InlinePass()(model)
+    return model
+
+
+def _loss_and_grad(model: ir.Model, loss: Loss, y: ir.Value, t: ir.Value, sw: ir.Value | None):
+    """Adds the loss of ``y`` and its gradient dloss/dy to ``model``; derived by ORT unless ``loss.grad``."""
+    ins = [y, t] + ([sw] if sw is not None else [])
+    if loss.grad is not None:
+        if loss.reduction is not None:
+            raise DslError(f"loss {loss.name}: a hand-written grad needs a loss returning the scalar itself")
+        value = graphs.call(model, loss.fn, ins, loss.call_attrs(), "loss/fn")[0]
+        return value, graphs.call(model, loss.grad, ins, loss.call_attrs(), "loss/grad")[0]
+    standalone = loss_graph(loss, y, model.opset_imports[""])
+    derived, _ = gradient_ir(standalone, [], ["y"], keep_outputs=True, fill_grad=True)
+    outs = graphs.splice(model.graph, derived.graph, dict(zip(["y", "target", "sample_weight"], ins)), "loss")
+    return outs["loss"], outs["y_grad"]
+
+
+def _penalty_and_grad(model: ir.Model, penalty: Penalty, w: ir.Value) -> tuple[ir.Value, ir.Value]:
+    region = f"penalty/{w.name}"
+    value = graphs.call(model, penalty.fn, [w], penalty.call_attrs(), region)[0]
+    if penalty.grad is not None:
+        return value, graphs.call(model, penalty.grad, [w], penalty.call_attrs(), region + "/grad")[0]
+    standalone = ir.Model(ir.Graph([], [], nodes=[], opset_imports=dict(model.opset_imports), name="penalty"), ir_version=10)
+    pw = graphs.new_input(standalone.graph, "w", like=w)
+    out = graphs.call(standalone, penalty.fn, [pw], penalty.call_attrs(), "p")[0]
+    out.name = "p"
+    standalone.graph.outputs.append(out)
+    passes.InlinePass()(standalone)
+    derived, _ = gradient_ir(standalone, [], ["w"], keep_outputs=False, fill_grad=True)
+    return value, graphs.splice(model.graph, derived.graph, {"w": w}, "penalty")["w_grad"]
+
+
+def _clip(tape: ir.tape.Tape, grads: list[ir.Value], max_norm: float) -> list[ir.Value]:
+    """torch's clip_grad_norm_: g ← g·min(1, max_norm / (‖g‖₂ + 1e-6)) with one norm over all gradients."""
+    squares = [tape.op("ReduceSumSquare", [g], {"keepdims": 0}) for g in grads]
+    total = tape.op("Sqrt", [squares[0] if len(squares) == 1 else tape.op("Sum", squares)])
+    like = grads[0]
+    const = lambda v: tape.op("CastLike", [tape.op("Constant", [], {"value": ir.tensor(np.array(v, np.float64))}), like])  # noqa: E731
+    coef = tape.op("Min", [const(1.0), tape.op("Div", [const(max_norm), tape.op("Add", [total, const(1e-6)])])])
+    return [tape.op("Mul", [g, coef]) for g in grads]
+
+
+def compile_train_step(
+    model: ModelLike,
+    loss: str | Loss | None = "square",
+    update: str | UpdateRule = "sgd",
+    penalty: str | Penalty | None = None,
+    learning_rate: float | str | Schedule = 1e-2,
+    weights: Sequence[str] | None = None,
+    output: str | None = None,
+    loss_output: str | None = None,
+) -> TrainStep:
+    """Compiles one training step of ``model`` into a single ONNX graph (see ``step.TrainStep`` for its names).
+
+    Args:
+        model: the inference model (proto, ir.Model or path).
+        loss: a loss name, a ``dsl.losses.X(...)`` or ``@dsl.loss`` declaration; None when the model already
+            outputs its loss, named by ``loss_output``.
+        update: an update-rule name or declaration (``dsl.updates``, ``@dsl.update_rule``).
+        penalty: None, a penalty name or declaration applied to every trained weight.
+        learning_rate: a float (constant) or a schedule (``dsl.schedules``), computed in the graph.
+        weights: initializers to train; None = every real weight (``train_initializers``).
+        output: the output the loss reads when the model has several.
+        loss_output: with ``loss=None``, the output holding the loss.
+    """
+    m = load_model(model)
+    inference = ir.to_proto(m)
+    for init in inference.graph.initializer:
+        init.ClearField("raw_data")
+        init.ClearField("float_data")
+        init.ClearField("double_data")
+    rule, pen, sched = resolve_update(update), resolve_penalty(penalty), resolve_schedule(learning_rate)
+    loss_decl = resolve_loss(loss) if loss is not None else None
+    y = select_output(m, loss_output if loss_decl is None else output, "loss_output" if loss_decl is None else "output")
+    _keep_only(m, y)
+    names = check_weights(m, weights)
+    initial = {n: m.graph.initializers[n].const_value for n in names}
+    fused, forward = gradient_ir(m, names, (), keep_outputs=True, fill_grad=loss_decl is None)
+    g = fused.graph
+    if forward[0].type is None:  # NOTE: the builder drops the value info of outputs that feed the YieldOp
+        forward[0].type, forward[0].shape = y.type or ir.TensorType(initial[names[0]].dtype), y.shape
+    y = forward[0]
+    grad_by_weight = {v.name[: -len("_grad")]: v for v in g.outputs if v.name.endswith("_grad")}
+    missing = [n for n in names if n not in grad_by_weight]
+    if missing:
+        raise ModelError(f"weights: {missing} do not reach output {y.name!r}; no gradient flows to them")
+    g.outputs.clear()
+
+    target = sample_weight = None
+    if loss_decl is None:
+        loss_value = y
+    else:
+        target = _target_input(g, loss_decl, y)
+        sample_weight = graphs.new_input(g, "sample_weight", dtype=y.dtype, shape=["N"]) if loss_decl.weighted else None
+        loss_value, dy = _loss_and_grad(fused, loss_decl, y, target, sample_weight)
+        y_grad_input = next(v for v in g.inputs if v.name == y.name + "_grad")
+        ir.convenience.replace_all_uses_with(y_grad_input, dy)
+        g.inputs.remove(y_grad_input)
+    grads = [grad_by_weight[n] for n in names]
+    w_values = {v.name: v for v in g.inputs}
+    ws = [w_values[n] for n in names]
+
+    tape = _RegionTape(g, "penalty")
+    if pen is not None:
+        terms = []
+        for i, w in enumerate(ws):
+            p, pg = _penalty_and_grad(fused, pen, w)
+            terms.append(p)
+            grads[i] = tape.op("Add", [grads[i], pg])
+        loss_value = tape.op("Add", [loss_value, terms[0] if len(terms) == 1 else tape.op("Sum", terms)])
+    if rule.clip_norm is not None:
+        tape.region = "update"
+        grads = _clip(tape, grads, rule.clip_norm)
+
+    tape.region = "schedule"
+    step = graphs.new_input(g, STEP, dtype=ir.DataType.INT64, shape=[])
+    step_next = tape.op("Add", [step, tape.op("Constant", [], {"value": ir.tensor(np.array(1, np.int64))})])
+    t = tape.op("CastLike", [step_next, ws[0]])
+    lr = graphs.call(fused, sched.fn, [t], sched.call_attrs(), "schedule")[0]
+
+    outputs, out_names, state_names = [], [], []
+    for w, gw in zip(ws, grads):
+        states = [graphs.new_input(g, f"{w.name}.{s}", like=w) for s in rule.state]
+        state_names += [s.name for s in states]
+        args = [w, gw, lr, *states] + ([t] if rule.uses_step else [])
+        outputs += graphs.call(fused, rule.fn, args, rule.call_attrs(), f"update/{w.name}", 1 + len(states))
+        out_names += [src.name + NEW for src in [w, *states]]
+    g.outputs.extend([loss_value, *outputs, step_next])
+    for name in names:
+        w_values[name].const_value = initial[name]
+        g.register_initializer(w_values[name])
+    _finish(fused, ["loss", *out_names, STEP + NEW])
+    data_inputs = [v.name for v in m.graph.inputs if v.name not in m.graph.initializers]
+    return TrainStep(
+        model=ir.to_proto(fused), inputs=data_inputs, target=target.name if target is not None else None,
+        sample_weight=sample_weight.name if sample_weight is not None else None, loss="loss", weights=names,
+        state=[*state_names, STEP], target_kind=loss_decl.target if loss_decl else "float",
+        inference=inference.SerializeToString(),
+    )
+
+
+class _RegionTape(ir.tape.Tape):
+    """A tape whose nodes carry the region they belong to (penalty, update, schedule)."""
+
+    def __init__(self, graph: ir.Graph, region: str):
+        super().__init__(graph)
+        self.region = region
+
+    def op(self, *args, **kwargs):
+        return super().op(*args, metadata_props={graphs.REGION: self.region}, **kwargs)
+
+
+def _finish(model: ir.Model, output_names: list[str]) -> None:
+    """Inlines the DSL calls, names the outputs, drops dead nodes and functions, sets versions ORT loads."""
+    passes.InlinePass()(model)
+    for value, name in zip(model.graph.outputs, output_names):
+        value.name = name
+    graphs.tag(model.graph, "backward")
+    for p in (passes.RemoveUnusedNodesPass(), passes.RemoveUnusedFunctionsPass(), passes.RemoveUnusedOpsetsPass(),
+              passes.TopologicalSortPass()):
+        p(model)
+    model.ir_version = runtime_limits()[0]
+    model.opset_imports.pop("onnxopt.dsl", None)
+    model.producer_name = "onnxopt"

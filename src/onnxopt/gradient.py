@@ -1,0 +1,258 @@
+"""Gradient graphs from onnxruntime-training's builder: the only module that touches its private bindings.
+
+``gradient_model`` reproduces onnxcustom's ``onnx_derivative``: ORT's ``OrtModuleGraphBuilder`` (the builder
+behind ``TrainingAgent``) returns forward + ``YieldOp`` + backward; the ``YieldOp`` is then rewritten so the
+output gradient becomes a graph input (or ones with ``fill_grad``). Swap the builder here and nothing else moves.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as passes
+
+from onnxopt.errors import ModelError, NotDifferentiableError
+from onnxopt.modelio import ModelLike, load_model
+
+__all__ = ["train_initializers", "gradient_model", "gradient_ir", "FLOAT_TYPES"]
+
+logger = logging.getLogger(__name__)
+
+FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+# Inputs (op_type -> positions) that carry shapes, indices or bounds: a float initializer used only there
+# is a constant, not a weight.
+_NON_WEIGHT_SLOTS = {
+    "Reshape": {1}, "Expand": {1}, "Tile": {1}, "Slice": {1, 2, 3, 4}, "Pad": {1, 2, 3}, "Resize": {1, 2, 3},
+    "Upsample": {1}, "Clip": {1, 2}, "ConstantOfShape": {0}, "Range": {0, 1, 2}, "OneHot": {1, 2},
+    "TopK": {1}, "Squeeze": {1}, "Unsqueeze": {1}, "Gather": {1}, "GatherElements": {1}, "ScatterND": {1},
+}
+_MISSING = re.compile(r"gradient builder has not been registered:\s*(\S+?)(?: for node (\S*))?\s*$", re.M)
+
+
+def _is_weight(value: ir.Value) -> bool:
+    if value.const_value is None or value.dtype not in FLOAT_TYPES:
+        return False
+    uses = list(value.uses())
+    return any(idx not in _NON_WEIGHT_SLOTS.get(node.op_type, ()) for node, idx in uses) if uses else False
+
+
+def _weight_names(m: ir.Model) -> list[str]:
+    return [name for name, v in m.graph.initializers.items() if _is_weight(v)]
+
+
+def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
+    """Returns the real weights of ``model``: float initializers not used as shapes, axes, indices or bounds.
+
+    >>> from onnxopt.examples import linear_regression
+    >>> sorted(train_initializers(linear_regression(3)))
+    ['bias', 'coef']
+    """
+    m = load_model(model)
+    return {name: m.graph.initializers[name].const_value.numpy() for name in _weight_names(m)}
+
+
+def check_weights(m: ir.Model, weights: Sequence[str] | None) -> list[str]:
+    """Validates ``weights`` against the initializers of ``m`` (None = every real weight) and returns them."""
+    inits = m.graph.initializers
+    if weights is None:
+        found = _weight_names(m)
+        if not found:
+            raise ModelError("weights: the model has no float initializer to train (expected at least one)")
+        return found
+    if isinstance(weights, str):
+        weights = [weights]
+    out = []
+    for name in weights:
+        if name not in inits:
+            import difflib
+
+            close = difflib.get_close_matches(name, list(inits), n=3)
+            hint = f"; did you mean {close}?" if close else f"; initializers are {sorted(inits)[:20]}"
+            raise ModelError(f"weights: {name!r} is not an initializer of the model{hint}")
+        if inits[name].dtype not in FLOAT_TYPES:
+            raise ModelError(
+                f"weights: {name!r} is not a float initializer of the model (found {inits[name].dtype})"
+            )
+        out.append(name)
+    if len(set(out)) != len(out):
+        raise ModelError(f"weights: names repeat in {list(weights)}")
+    return out
+
+
+def _builder_config(weights: Sequence[str], inputs: Sequence[str], initializers: Sequence[str]):
+    from onnxruntime.capi import _pybind_state as C
+
+    cfg = C.OrtModuleGraphBuilderConfiguration()
+    cfg.initializer_names = list(initializers)
+    cfg.initializer_names_to_train = list(weights)
+    cfg.input_names_require_grad = list(inputs)
+    cfg.build_gradient_graph = True
+    # NOTE: the builder warns about every node that gets no gradient (targets, shapes): expected here.
+    cfg.loglevel = C.Severity.ERROR
+    return cfg
+
+
+def _run_builder(proto: onnx.ModelProto, weights: Sequence[str], inputs: Sequence[str]) -> onnx.ModelProto:
+    from onnxruntime.capi import _pybind_state as C
+
+    builder = C.OrtModuleGraphBuilder()
+    builder.initialize(proto.SerializeToString(), _builder_config(weights, inputs, [i.name for i in proto.graph.initializer]))
+    builder.build(C.TrainingGraphTransformerConfiguration())
+    return onnx.load_from_string(builder.get_gradient_model())
+
+
+def _cut(m: ir.Model, node_name: str, op_type: str) -> bool:
+    """Replaces a node by graph inputs carrying its outputs, so the builder can go on (probing only)."""
+    for node in m.graph:
+        if node.op_type == op_type and (node.name == node_name or not node_name):
+            for out in node.outputs:
+                new = ir.Value(name=out.name + "__probe", type=out.type, shape=out.shape)
+                m.graph.inputs.append(new)
+                ir.convenience.replace_all_uses_with(out, new, replace_graph_outputs=True)
+            m.graph.remove(node, safe=True)
+            return True
+    return False
+
+
+def _missing_gradients(m: ir.Model, weights: Sequence[str], inputs: Sequence[str]) -> list[tuple[str, str]]:
+    """Lists (op_type, node name) of every node without a gradient builder, by cutting them one by one."""
+    probe = ir.from_proto(ir.to_proto(m))
+    missing: list[tuple[str, str]] = []
+    for _ in range(len(probe.graph) + 1):
+        try:
+            _run_builder(ir.to_proto(probe), weights, inputs)
+            return missing
+        except Exception as exc:  # ORT raises RuntimeError/Fail with the C++ message
+            found = _MISSING.search(str(exc))
+            if not found or not _cut(probe, found.group(2) or "", found.group(1)):
+                return missing
+            missing.append((found.group(1), found.group(2) or ""))
+    return missing
+
+
+def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = ()) -> ir.Model:
+    """Runs ORT's builder on ``m``: forward, a ``com.microsoft:YieldOp``, backward; every initializer an input."""
+    from onnxopt.rules import lower_for_gradient
+
+    m = lower_for_gradient(ir.from_proto(ir.to_proto(m)))
+    proto = ir.to_proto(m)
+    try:
+        return ir.from_proto(_run_builder(proto, weights, inputs))
+    except Exception as exc:
+        missing = _missing_gradients(m, weights, inputs)
+        if missing:
+            listed = ", ".join(f"{op} (node {name!r})" for op, name in missing)
+            raise NotDifferentiableError(
+                f"model: onnxruntime-training has no gradient for {len(missing)} node(s): {listed}; "
+                "expected ops with a gradient builder (rewrite these ops or register a gradient definition)",
+                missing,
+            ) from exc
+        raise ModelError(f"model: onnxruntime-training could not build the gradient graph: {exc}") from exc
+
+
+def _yield_rewrite(g: ir.Graph, keep_outputs: bool, fill_grad: bool) -> list[ir.Value]:
+    """Removes the YieldOp: its outputs (output gradients) become inputs or ones; returns the forward outputs."""
+    yields = [n for n in g if n.op_type == "YieldOp"]
+    if len(yields) != 1:
+        raise ModelError(f"gradient graph: expected one YieldOp, found {len(yields)}")
+    node = yields[0]
+    forward_outputs = list(node.inputs)
+    grads = list(node.outputs)
+    # NOTE: detach first so the YieldOp can be removed before its outputs get new producers.
+    replacements = []
+    for fwd, grad in zip(forward_outputs, grads):
+        if fill_grad:
+            tape = ir.tape.Tape()
+            one = tape.op("Constant", [], {"value": ir.tensor(np.array(1, dtype=np.int64))})
+            cast = tape.op("CastLike", [one, fwd])
+            new = tape.op("Expand", [cast, tape.op("Shape", [fwd])])
+            for n in tape.nodes:
+                n.metadata_props["onnxopt.region"] = "backward"
+            g.insert_before(node, tape.nodes)
+        else:
+            new = ir.Value(name=grad.name + "__in", type=grad.type or fwd.type, shape=grad.shape or fwd.shape)
+            g.inputs.append(new)
+        replacements.append((grad, new))
+    for grad, new in replacements:
+        name = grad.name
+        ir.convenience.replace_all_uses_with(grad, new, replace_graph_outputs=True)
+        new.name = name
+    g.remove(node, safe=True)
+    if keep_outputs:
+        g.outputs.extend(v for v in forward_outputs if v not in g.outputs)
+    return forward_outputs
+
+
+def _restore_constants(g: ir.Graph, original: ir.Graph, weights: Sequence[str]) -> None:
+    """The builder turns every initializer into an input: put the non-trained ones back as initializers."""
+    keep = set(weights)
+    for value in list(g.inputs):
+        if value.name in original.initializers and value.name not in keep:
+            g.inputs.remove(value)
+            value.const_value = original.initializers[value.name].const_value
+            g.register_initializer(value)
+
+
+def _tag_regions(g: ir.Graph) -> None:
+    """Marks each node ``onnxopt.region`` = forward (before the YieldOp) or backward (after it)."""
+    region = "forward"
+    for node in g:
+        if node.op_type == "YieldOp":
+            region = "backward"
+        node.metadata_props.setdefault("onnxopt.region", region)
+
+
+def gradient_ir(
+    m: ir.Model,
+    weights: Sequence[str],
+    inputs: Sequence[str] = (),
+    keep_outputs: bool = False,
+    fill_grad: bool = False,
+) -> tuple[ir.Model, list[ir.Value]]:
+    """The gradient graph of ``m`` as an ``ir.Model``, plus its forward-output values (see ``gradient_model``)."""
+    unknown = [i for i in inputs if i not in {v.name for v in m.graph.inputs}]
+    if unknown:
+        names = [v.name for v in m.graph.inputs]
+        raise ModelError(f"inputs: {unknown} are not inputs of the model (expected some of {names})")
+    grad = build_gradient(m, weights, inputs)
+    _tag_regions(grad.graph)
+    forward = _yield_rewrite(grad.graph, keep_outputs, fill_grad)
+    _restore_constants(grad.graph, m.graph, weights)
+    grad.graph.name = m.graph.name or "gradient"
+    grad.opset_imports.clear()
+    grad.opset_imports.update(m.opset_imports)
+    grad.opset_imports["com.microsoft"] = 1
+    grad.ir_version = m.ir_version
+    passes.RemoveUnusedNodesPass()(grad)
+    return grad, forward
+
+
+def gradient_model(
+    model: ModelLike,
+    weights: Sequence[str] | None = None,
+    inputs: Sequence[str] | None = None,
+    keep_outputs: bool = False,
+    fill_grad: bool = False,
+) -> onnx.ModelProto:
+    """Builds the backward graph of ``model`` with onnxruntime-training (onnxcustom's ``onnx_derivative``).
+
+    Args:
+        model: the ONNX model, a proto or a path.
+        weights: initializers to differentiate (become inputs); None = every real weight.
+        inputs: model inputs whose gradient is wanted too (outputs ``<input>_grad``).
+        keep_outputs: also return the forward outputs.
+        fill_grad: the output gradient is ones instead of an input ``<output>_grad``.
+
+    Returns:
+        A model with inputs (model inputs, weights, ``<output>_grad`` unless filled) and outputs
+        (``<input>_grad``..., ``<weight>_grad``..., forward outputs when kept).
+    """
+    m = load_model(model)
+    names = check_weights(m, weights)
+    grad, _ = gradient_ir(m, names, list(inputs or ()), keep_outputs, fill_grad)
+    return ir.to_proto(grad)

@@ -1,0 +1,120 @@
+"""Graph surgery shared by the passes, all through onnx_ir: calling DSL functions, inlining, splicing graphs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import onnx_ir as ir
+import onnx_ir.passes.common as passes
+import onnxscript
+
+from onnxopt.errors import DslError
+
+__all__ = ["REGION", "add_functions", "call", "splice", "new_input", "tag"]
+
+REGION = "onnxopt.region"
+
+
+def _all_functions(fn: onnxscript.OnnxFunction) -> list[onnxscript.OnnxFunction]:
+    found = {fn.name: fn}
+    todo = [fn]
+    while todo:
+        for name, sub in todo.pop().function_ir.get_called_functions().items():
+            if name not in found:
+                found[name] = sub
+                todo.append(sub)
+    return list(found.values())
+
+
+def add_functions(model: ir.Model, fn: onnxscript.OnnxFunction) -> None:
+    """Adds ``fn`` and the functions it calls to ``model``, at the model's default-domain opset."""
+    for sub in _all_functions(fn):
+        f = ir.serde.deserialize_function(sub.to_function_proto())
+        known = model.functions.get(f.identifier())
+        if known is not None:
+            if known.name == f.name and ir.to_proto(known) != ir.to_proto(f):
+                raise DslError(f"{f.name}: two different DSL functions share this name; rename one")
+            continue
+        # NOTE: DSL functions are written at opset 18; the ops they use mean the same up to 21.
+        f.opset_imports[""] = model.opset_imports.get("", f.opset_imports.get("", 18))
+        model.functions[f.identifier()] = f
+
+
+def call(
+    model: ir.Model,
+    fn: onnxscript.OnnxFunction,
+    inputs: Sequence[ir.Value | None],
+    attrs: Mapping[str, Any],
+    name: str,
+    num_outputs: int = 1,
+    region: str | None = None,
+) -> list[ir.Value]:
+    """Appends a node calling the DSL function ``fn`` to the main graph; returns its outputs.
+
+    The inliner copies the call's metadata to the nodes it inlines, so ``region`` tags them all.
+    """
+    add_functions(model, fn)
+    fdomain = fn.function_ir.domain
+    model.opset_imports.setdefault(fdomain, 1)
+    known = fn.function_ir.attributes
+    attributes = []
+    for key, value in attrs.items():
+        # NOTE: the attribute type comes from the function's declaration, so 1 and 1.0 both work for a float.
+        decl = known.get(key) if hasattr(known, "get") else None
+        kind = getattr(decl, "type", None)
+        if kind == ir.AttributeType.FLOAT or (kind is None and isinstance(value, float)):
+            attributes.append(ir.AttrFloat32(key, float(value)))
+        else:
+            attributes.append(ir.AttrInt64(key, int(value)))
+    node = ir.Node(fdomain, fn.name, inputs=list(inputs), attributes=attributes, num_outputs=num_outputs, name=name,
+                   metadata_props={REGION: region or name.split("/")[0]})
+    model.graph.append(node)
+    return list(node.outputs)
+
+
+def tag(graph: ir.Graph, region: str) -> None:
+    """Gives every node without a region the region ``region`` (forward, loss, backward, penalty, update...)."""
+    for node in graph:
+        node.metadata_props.setdefault(REGION, region)
+
+
+def new_input(graph: ir.Graph, name: str, like: ir.Value | None = None, dtype: ir.DataType | None = None,
+              shape: Sequence[Any] | None = None) -> ir.Value:
+    """Adds a graph input named ``name`` with the type/shape of ``like`` or the given dtype/shape."""
+    if name in {v.name for v in graph.inputs} or name in graph.initializers:
+        raise DslError(f"input name {name!r} is already used by the model; rename that model input")
+    value = ir.Value(
+        name=name,
+        type=ir.TensorType(dtype) if dtype is not None else like.type,
+        shape=ir.Shape(shape) if shape is not None else (like.shape if like is not None else None),
+    )
+    graph.inputs.append(value)
+    return value
+
+
+def splice(graph: ir.Graph, sub: ir.Graph, inputs: Mapping[str, ir.Value], region: str) -> dict[str, ir.Value]:
+    """Moves every node of ``sub`` into ``graph``: sub inputs are replaced by ``inputs[name]``.
+
+    Node and value names get the prefix ``region/`` so they stay unique; returns sub's outputs by their
+    original names, now produced inside ``graph``.
+    """
+    outputs = {v.name: v for v in sub.outputs}
+    sub.outputs.clear()
+    for value in list(sub.inputs):
+        if value.name in inputs:
+            ir.convenience.replace_all_uses_with(value, inputs[value.name])
+    for name, value in list(sub.initializers.items()):
+        sub.initializers.pop(name)
+        value.name = f"{region}/{name}"
+        graph.register_initializer(value)
+    nodes = list(sub)
+    sub.remove(nodes)
+    for node in nodes:
+        node.name = f"{region}/{node.name}"
+        node.metadata_props[REGION] = region
+        for out in node.outputs:
+            if out.name:
+                out.name = f"{region}/{out.name}"
+    graph.extend(nodes)
+    return outputs

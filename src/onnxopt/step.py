@@ -1,0 +1,83 @@
+"""``TrainStep``: the fused training-step model plus the names a runner needs, saved as one ``.onnx``.
+
+Naming convention of the fused graph (also in docs/fused_step.md):
+inputs  = model inputs, ``target``, ``sample_weight`` (weighted losses), each weight ``W``, each state
+          ``W.<state>`` (e.g. ``W.velocity``) and the step counter ``optim.step`` (int64 scalar, steps done);
+outputs = ``loss``, then ``W.new``, ``W.<state>.new``, ``optim.step.new``.
+Weights keep the model's values as initializers (defaults), so a session can start from them.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from onnxopt.errors import ModelError
+
+__all__ = ["TrainStep", "STEP", "NEW"]
+
+STEP = "optim.step"
+NEW = ".new"
+_KEY = "onnxopt.train_step"
+
+
+@dataclasses.dataclass
+class TrainStep:
+    """A compiled training step: ``model`` runs forward, loss, backward and update in one session run."""
+
+    model: onnx.ModelProto
+    inputs: list[str]
+    target: str | None
+    sample_weight: str | None
+    loss: str
+    weights: list[str]
+    state: list[str]
+    target_kind: str = "float"
+    inference: bytes = b""  # the user's inference model, weights stripped (see ``Runner.export``)
+
+    @property
+    def carry(self) -> dict[str, str]:
+        """Input name -> output name of every tensor carried from one step to the next."""
+        return {name: name + NEW for name in [*self.weights, *self.state]}
+
+    def initial_weights(self) -> dict[str, np.ndarray]:
+        """The weights the fused model starts from (the original model's values)."""
+        inits = {t.name: t for t in self.model.graph.initializer}
+        return {name: ir.serde.deserialize_tensor(inits[name]).numpy() for name in self.weights}
+
+    def _metadata(self) -> str:
+        fields = dataclasses.asdict(self)
+        fields.pop("model")
+        fields["inference"] = base64.b64encode(self.inference).decode("ascii")
+        return json.dumps(fields)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the fused model (with the names above in its metadata) to ``path``."""
+        model = onnx.ModelProto()
+        model.CopyFrom(self.model)
+        props = {p.key: p.value for p in model.metadata_props}
+        props[_KEY] = self._metadata()
+        del model.metadata_props[:]
+        for key, value in props.items():
+            model.metadata_props.add(key=key, value=value)
+        onnx.save(model, os.fspath(path))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> TrainStep:
+        """Reads a model written by ``save``."""
+        from onnxopt.modelio import load_model
+
+        model = ir.to_proto(load_model(path, "path"))
+        props = {p.key: p.value for p in model.metadata_props}
+        if _KEY not in props:
+            raise ModelError(f"path: {os.fspath(path)!r} is an ONNX model but not a train step saved by onnxopt "
+                             f"(metadata {_KEY!r} missing)")
+        fields = json.loads(props[_KEY])
+        fields["inference"] = base64.b64decode(fields["inference"])
+        return cls(model=model, **fields)

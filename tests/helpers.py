@@ -1,0 +1,33 @@
+"""Test helpers: run a fused step once with a plain InferenceSession, zero state."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+ort.set_default_logger_severity(3)
+
+
+def session(model) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def run_once(step, X, y, sample_weight=None, weights=None, state=None, step_count=0) -> dict[str, np.ndarray]:
+    """One run of ``step.model``: returns every output by name (weights default to the model's)."""
+    sess = session(step.model)
+    weights = weights if weights is not None else step.initial_weights()
+    feeds = {step.inputs[0]: X, **weights}
+    if step.target:
+        feeds[step.target] = y
+    if step.sample_weight:
+        dtype = next(iter(weights.values())).dtype
+        feeds[step.sample_weight] = np.ones(len(X), dtype) if sample_weight is None else sample_weight
+    for name in step.state:
+        if name == "optim.step":
+            feeds[name] = np.array(step_count, np.int64)
+        else:
+            w = weights[name.rsplit(".", 1)[0]]
+            feeds[name] = (state or {}).get(name, np.zeros_like(w))
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
