@@ -1,8 +1,14 @@
 """onnxopt: compile the training step of an ONNX model into one ONNX graph and run it with onnxruntime."""
 
+from onnxopt import dsl
 from onnxopt.errors import ConvergenceError, DataError, DslError, ModelError, NotDifferentiableError, OnnxoptError
+from onnxopt.fuse import compile_train_step
 from onnxopt.gradient import gradient_model, train_initializers
+from onnxopt.loss_output import add_loss_output
+from onnxopt.runner import Runner
+from onnxopt.step import TrainStep
 
 __version__ = "0.1.0"
-from onnxopt.fuse import compile_train_step
-from onnxopt.step import TrainStep
+__all__ = ["dsl", "compile_train_step", "TrainStep", "Runner", "gradient_model", "train_initializers",
+           "add_loss_output", "OnnxoptError", "ModelError", "NotDifferentiableError", "DslError", "DataError",
+           "ConvergenceError"]

@@ -25,7 +25,7 @@ from onnxopt.modelio import ModelLike, load_model, runtime_limits
 from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
 from onnxopt.step import NEW, STEP, TrainStep
 
-__all__ = ["compile_train_step", "select_output", "loss_graph"]
+__all__ = ["compile_train_step", "select_output", "loss_graph", "apply_loss", "target_input"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +48,13 @@ def _keep_only(m: ir.Model, value: ir.Value) -> None:
     passes.RemoveUnusedNodesPass()(m)
 
 
-def _target_input(graph: ir.Graph, loss: Loss, y: ir.Value) -> ir.Value:
+def target_input(graph: ir.Graph, loss: Loss, y: ir.Value) -> ir.Value:
     if loss.target == "index":
         return graphs.new_input(graph, "target", dtype=ir.DataType.INT64, shape=["N"])
     return graphs.new_input(graph, "target", dtype=y.dtype)
 
 
-def _apply_loss(model: ir.Model, loss: Loss, ins: list[ir.Value]) -> ir.Value:
+def apply_loss(model: ir.Model, loss: Loss, ins: list[ir.Value]) -> ir.Value:
     """Calls the loss (and its reduction with the sample weight) on ``ins`` = [y, t(, sample_weight)]."""
     if loss.reduction is None:
         return graphs.call(model, loss.fn, ins, loss.call_attrs(), "loss/fn")[0]
@@ -67,10 +67,10 @@ def loss_graph(loss: Loss, y: ir.Value, opset: int) -> ir.Model:
     """A standalone model (y, target[, sample_weight]) -> loss, its DSL calls inlined."""
     graph = ir.Graph([], [], nodes=[], opset_imports={"": opset}, name="loss")
     model = ir.Model(graph, ir_version=10)
-    ins = [graphs.new_input(graph, "y", like=y), _target_input(graph, loss, y)]
+    ins = [graphs.new_input(graph, "y", like=y), target_input(graph, loss, y)]
     if loss.weighted:
         ins.append(graphs.new_input(graph, "sample_weight", dtype=y.dtype, shape=["N"]))
-    out = _apply_loss(model, loss, ins)
+    out = apply_loss(model, loss, ins)
     out.name = "loss"
     graph.outputs.append(out)
     passes.InlinePass()(model)
@@ -141,16 +141,16 @@ def compile_train_step(
     """
     m = load_model(model)
     inference = ir.to_proto(m)
-    for init in inference.graph.initializer:
-        init.ClearField("raw_data")
-        init.ClearField("float_data")
-        init.ClearField("double_data")
     rule, pen, sched = resolve_update(update), resolve_penalty(penalty), resolve_schedule(learning_rate)
     loss_decl = resolve_loss(loss) if loss is not None else None
     y = select_output(m, loss_output if loss_decl is None else output, "loss_output" if loss_decl is None else "output")
     _keep_only(m, y)
     names = check_weights(m, weights)
     initial = {n: m.graph.initializers[n].const_value for n in names}
+    for init in inference.graph.initializer:  # NOTE: trained values live in the runner, not twice on disk
+        if init.name in initial:
+            for field in ("raw_data", "float_data", "double_data"):
+                init.ClearField(field)
     fused, forward = gradient_ir(m, names, (), keep_outputs=True, fill_grad=loss_decl is None)
     g = fused.graph
     if forward[0].type is None:  # NOTE: the builder drops the value info of outputs that feed the YieldOp
@@ -166,7 +166,7 @@ def compile_train_step(
     if loss_decl is None:
         loss_value = y
     else:
-        target = _target_input(g, loss_decl, y)
+        target = target_input(g, loss_decl, y)
         sample_weight = graphs.new_input(g, "sample_weight", dtype=y.dtype, shape=["N"]) if loss_decl.weighted else None
         loss_value, dy = _loss_and_grad(fused, loss_decl, y, target, sample_weight)
         y_grad_input = next(v for v in g.inputs if v.name == y.name + "_grad")
@@ -207,9 +207,15 @@ def compile_train_step(
         g.register_initializer(w_values[name])
     _finish(fused, ["loss", *out_names, STEP + NEW])
     data_inputs = [v.name for v in m.graph.inputs if v.name not in m.graph.initializers]
+    if loss_decl is None:  # NOTE: a model from add_loss_output names its extra inputs target/sample_weight
+        target_name = "target" if "target" in data_inputs else None
+        sw_name = "sample_weight" if "sample_weight" in data_inputs else None
+        data_inputs = [n for n in data_inputs if n not in (target_name, sw_name)]
+    else:
+        target_name, sw_name = target.name, sample_weight.name if sample_weight is not None else None
     return TrainStep(
-        model=ir.to_proto(fused), inputs=data_inputs, target=target.name if target is not None else None,
-        sample_weight=sample_weight.name if sample_weight is not None else None, loss="loss", weights=names,
+        model=ir.to_proto(fused), inputs=data_inputs, target=target_name, sample_weight=sw_name, loss="loss",
+        weights=names,
         state=[*state_names, STEP], target_kind=loss_decl.target if loss_decl else "float",
         inference=inference.SerializeToString(),
     )

@@ -1,0 +1,123 @@
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import onnxopt
+from onnxopt.examples import mlp
+from helpers import run_once, session
+
+
+@pytest.fixture
+def data(rng):
+    X = rng.normal(size=(60, 4)).astype(np.float32)
+    return X, (X @ np.array([1.0, -2.0, 0.5, 0.0], np.float32) + 0.3).astype(np.float32)
+
+
+def _step(update="momentum", **kw):
+    return onnxopt.compile_train_step(mlp([4, 6, 1], seed=1), loss="square", update=update, learning_rate=0.05, **kw)
+
+
+def test_runner_matches_a_plain_session_loop(data):
+    X, y = data
+    step = _step()
+    runner = onnxopt.Runner(step)
+    weights, state = step.initial_weights(), {}
+    for k in range(3):
+        ref = run_once(step, X[:20], y[:20], weights=weights, state=state, step_count=k)
+        loss = runner.step(X[:20], y[:20])
+        weights = {n: ref[n + ".new"] for n in step.weights}
+        state = {n: ref[n + ".new"] for n in step.state if n != "optim.step"}
+        np.testing.assert_allclose(loss, ref["loss"], rtol=1e-6)
+    for name, value in runner.get_weights().items():
+        np.testing.assert_allclose(value, weights[name], rtol=1e-6)
+    assert runner.step_count == 3
+
+
+def test_one_session_run_per_step_and_no_new_session(data, monkeypatch):
+    X, y = data
+    runner = onnxopt.Runner(_step())
+    runner.step(X[:10], y[:10])
+    runs, sessions = [], []
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", lambda self, *a, **k: runs.append(1) or
+                        self._sess.run_with_iobinding(a[0]._iobinding, a[1] if len(a) > 1 else None))
+    monkeypatch.setattr(ort.InferenceSession, "__init__", lambda *a, **k: sessions.append(1))
+    for i in range(5):
+        runner.step(X[10 * i:10 * i + 10], y[10 * i:10 * i + 10])
+    assert (len(runs), len(sessions)) == (5, 0)
+    assert runner.step_count == 6
+
+
+def test_checkpoint_resume_equals_uninterrupted_run(data, tmp_path):
+    X, y = data
+    full = onnxopt.Runner(_step(update="adam"))
+    for i in range(6):
+        full.step(X[10 * i:10 * i + 10], y[10 * i:10 * i + 10])
+    first = onnxopt.Runner(_step(update="adam"))
+    for i in range(3):
+        first.step(X[10 * i:10 * i + 10], y[10 * i:10 * i + 10])
+    first.save_checkpoint(tmp_path / "ckpt.npz")
+    resumed = onnxopt.Runner(_step(update="adam"))
+    resumed.load_checkpoint(tmp_path / "ckpt.npz")
+    for i in range(3, 6):
+        resumed.step(X[10 * i:10 * i + 10], y[10 * i:10 * i + 10])
+    for name, value in full.get_weights().items():
+        np.testing.assert_array_equal(resumed.get_weights()[name], value)
+    assert resumed.step_count == 6
+
+
+def test_export_predicts_with_trained_weights(data):
+    X, y = data
+    runner = onnxopt.Runner(_step())
+    for _ in range(20):
+        runner.step(X, y)
+    exported = runner.export()
+    onnx.checker.check_model(exported)
+    pred = session(exported).run(None, {"X": X})[0][:, 0]
+    w = runner.get_weights()
+    h = np.maximum(X @ w["coef_0"] + w["bias_0"], 0)
+    np.testing.assert_allclose(pred, (h @ w["coef_1"] + w["bias_1"])[:, 0], rtol=1e-5, atol=1e-6)
+    assert np.mean((pred - y) ** 2) < np.mean(y ** 2)
+
+
+def test_divergence_raises_and_keeps_last_finite_weights(data):
+    X, y = data
+    runner = onnxopt.Runner(onnxopt.compile_train_step(mlp([4, 1]), loss="square", update="sgd", learning_rate=50.0))
+    good = None
+    with pytest.raises(onnxopt.ConvergenceError, match="step"):
+        for _ in range(200):
+            before = runner.get_weights()
+            runner.step(X, y * 1e3)
+            good = before
+    kept = runner.get_weights()
+    assert all(np.isfinite(v).all() for v in kept.values())
+    for name, value in kept.items():  # the weights that produced the last finite loss
+        np.testing.assert_array_equal(value, good[name])
+
+
+def test_train_step_save_load_runs_in_plain_session(data, tmp_path):
+    X, y = data
+    step = _step()
+    step.save(tmp_path / "step.onnx")
+    loaded = onnxopt.TrainStep.load(tmp_path / "step.onnx")
+    assert (loaded.weights, loaded.state, loaded.inputs) == (step.weights, step.state, step.inputs)
+    a, b = run_once(step, X, y), run_once(loaded, X, y)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+    assert onnxopt.Runner(tmp_path / "step.onnx").step(X, y) == pytest.approx(float(a["loss"]), rel=1e-6)
+
+
+def test_full_training_with_loss_in_the_graph(rng):
+    from onnxopt.examples import polynomial
+
+    X = rng.normal(size=(100, 2)).astype(np.float32)
+    truth = session(polynomial()).run(None, {"x": X})[0][:, 0]
+    model = onnxopt.add_loss_output(polynomial(), loss=onnxopt.dsl.losses.square(reduction="sum"))
+    runner = onnxopt.Runner(onnxopt.compile_train_step(model, loss=None, loss_output="loss", learning_rate=0.005))
+    runner.set_weights({"init": np.array([[2, 3]], np.float32), "init_1": np.array([[0.5, 0.33333]], np.float32),
+                        "init_b10": np.array([1], np.float32)})
+    first = runner.step(X[:5], truth[:5])
+    for _ in range(30):
+        last = np.mean([runner.step(X[i:i + 5], truth[i:i + 5]) for i in range(0, 100, 5)])
+    assert last < first / 1000
+    np.testing.assert_allclose(runner.get_weights()["init_1"], [[-2, 3]], atol=1e-2)
