@@ -57,7 +57,11 @@ def target_input(graph: ir.Graph, loss: Loss, y: ir.Value) -> ir.Value:
 def apply_loss(model: ir.Model, loss: Loss, ins: list[ir.Value]) -> ir.Value:
     """Calls the loss (and its reduction with the sample weight) on ``ins`` = [y, t(, sample_weight)]."""
     if loss.reduction is None:
-        return graphs.call(model, loss.fn, ins, loss.call_attrs(), "loss/fn")[0]
+        value = graphs.call(model, loss.fn, ins, loss.call_attrs(), "loss/fn")[0]
+        # NOTE: a user loss may keep dims ([1], [1, 1]); the step's loss is a scalar (fails if not 1 element)
+        scalar = ir.tape.Tape(model.graph).op(
+            "Constant", [], {"value": ir.tensor(np.array([], np.int64))}, metadata_props={graphs.REGION: "loss"})
+        return ir.tape.Tape(model.graph).op("Reshape", [value, scalar], metadata_props={graphs.REGION: "loss"})
     per_sample = graphs.call(model, loss.fn, ins[:2], loss.call_attrs(), "loss/per_sample")[0]
     reducer = weighted_mean if loss.reduction == "mean" else weighted_sum
     return graphs.call(model, reducer, [per_sample, ins[2]], {}, "loss/reduce")[0]
@@ -83,7 +87,7 @@ def _loss_and_grad(model: ir.Model, loss: Loss, y: ir.Value, t: ir.Value, sw: ir
     if loss.grad is not None:
         if loss.reduction is not None:
             raise DslError(f"loss {loss.name}: a hand-written grad needs a loss returning the scalar itself")
-        value = graphs.call(model, loss.fn, ins, loss.call_attrs(), "loss/fn")[0]
+        value = apply_loss(model, loss, ins)
         return value, graphs.call(model, loss.grad, ins, loss.call_attrs(), "loss/grad")[0]
     standalone = loss_graph(loss, y, model.opset_imports[""])
     derived, _ = gradient_ir(standalone, [], ["y"], keep_outputs=True, fill_grad=True)
