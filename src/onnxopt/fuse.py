@@ -22,6 +22,7 @@ from onnxopt.dsl.losses import weighted_mean, weighted_sum
 from onnxopt.errors import DslError, ModelError
 from onnxopt.gradient import check_weights, gradient_ir
 from onnxopt.modelio import ModelLike, load_model, runtime_limits
+from onnxopt.rules import widen_float_constants
 from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
 from onnxopt.step import NEW, STEP, TrainStep
 
@@ -209,7 +210,7 @@ def compile_train_step(
     for name in names:
         w_values[name].const_value = initial[name]
         g.register_initializer(w_values[name])
-    _finish(fused, ["loss", *out_names, STEP + NEW])
+    _finish(fused, ["loss", *out_names, STEP + NEW], initial[names[0]].dtype)
     data_inputs = [v.name for v in m.graph.inputs if v.name not in m.graph.initializers]
     if loss_decl is None:  # NOTE: a model from add_loss_output names its extra inputs target/sample_weight
         target_name = "target" if "target" in data_inputs else None
@@ -236,11 +237,12 @@ class _RegionTape(ir.tape.Tape):
         return super().op(*args, metadata_props={graphs.REGION: self.region}, **kwargs)
 
 
-def _finish(model: ir.Model, output_names: list[str]) -> None:
+def _finish(model: ir.Model, output_names: list[str], dtype: ir.DataType) -> None:
     """Inlines the DSL calls, names the outputs, drops dead nodes and functions, sets versions ORT loads."""
     passes.InlinePass()(model)
     for value, name in zip(model.graph.outputs, output_names):
         value.name = name
+    widen_float_constants(model, dtype)
     graphs.tag(model.graph, "backward")
     for p in (passes.RemoveUnusedNodesPass(), passes.RemoveUnusedFunctionsPass(), passes.RemoveUnusedOpsetsPass(),
               passes.TopologicalSortPass()):

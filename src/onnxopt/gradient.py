@@ -107,13 +107,25 @@ def _run_builder(proto: onnx.ModelProto, weights: Sequence[str], inputs: Sequenc
 
 
 def _cut(m: ir.Model, node_name: str, op_type: str) -> bool:
-    """Replaces a node by graph inputs carrying its outputs, so the builder can go on (probing only)."""
+    """Replaces a node by graph inputs carrying its outputs, so the builder can go on (probing only).
+
+    Each output becomes ``probe + 0·ReduceSum(first float input)``: the gradient path stays connected, so the
+    nodes after the cut still need (and are checked for) a gradient builder.
+    """
     for node in m.graph:
         if node.op_type == op_type and (node.name == node_name or not node_name):
+            src = next((v for v in node.inputs if v is not None and v.dtype in FLOAT_TYPES), None)
+            tape = ir.tape.Tape()
             for out in node.outputs:
-                new = ir.Value(name=out.name + "__probe", type=out.type, shape=out.shape)
+                linked = src is not None and out.dtype in (None, src.dtype)
+                new = ir.Value(name=out.name + "__probe", type=out.type or (src.type if linked else None), shape=out.shape)
                 m.graph.inputs.append(new)
-                ir.convenience.replace_all_uses_with(out, new, replace_graph_outputs=True)
+                repl = new
+                if linked:
+                    zero = tape.op("Constant", [], {"value": ir.tensor(np.array(0.0), dtype=src.dtype)})
+                    repl = tape.op("Add", [new, tape.op("Mul", [tape.op("ReduceSum", [src], {"keepdims": 0}), zero])])
+                ir.convenience.replace_all_uses_with(out, repl, replace_graph_outputs=True)
+            m.graph.insert_after(node, tape.nodes)
             m.graph.remove(node, safe=True)
             return True
     return False

@@ -9,11 +9,12 @@
 from __future__ import annotations
 
 import numpy as np
+import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as passes
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
 
-__all__ = ["rules", "lower_for_gradient"]
+__all__ = ["rules", "lower_for_gradient", "widen_float_constants"]
 
 
 def _castlike(op, x, like):
@@ -59,3 +60,25 @@ def lower_for_gradient(model: ir.Model) -> ir.Model:
         pass
     rules.apply_to_model(model)
     return model
+
+
+def widen_float_constants(model: ir.Model, dtype: ir.DataType) -> int:
+    """Replaces float32 attribute constants only read through CastLike by constants of ``dtype``.
+
+    The DSL writes a hyper-parameter as ``CastLike(Constant<value_float=@attr>, w)``; the inlined attribute
+    still holds the Python float, so a double step gets the exact double value. Returns the count replaced.
+    """
+    if dtype != ir.DataType.DOUBLE:
+        return 0
+    count = 0
+    for node in list(model.graph):
+        attr = node.attributes.get("value_float")
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or attr is None:
+            continue
+        uses = list(node.outputs[0].uses())
+        if not uses or any(user.op_type != "CastLike" or idx != 0 for user, idx in uses):
+            continue
+        node.attributes.pop("value_float")
+        node.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.array(attr.value, dtype=np.float64)))
+        count += 1
+    return count

@@ -104,16 +104,22 @@ def log_proba(y, t, eps: float = 1e-7):
 
 
 @script(DOMAIN)
+def _log_softmax(y):
+    """y − logΣexp(y) over the last axis: onnxruntime has no double kernel for LogSoftmax's gradient."""
+    return op.Sub(y, op.ReduceLogSumExp(y, op.Constant(value_ints=[-1]), keepdims=1))
+
+
+@script(DOMAIN)
 def cross_entropy_index(y, t):
     """Softmax cross-entropy on raw scores (N, C) with int64 class indices (N,) (torch's CrossEntropyLoss)."""
-    logp = op.LogSoftmax(y, axis=-1)
+    logp = _log_softmax(y)
     idx = op.Reshape(t, op.Constant(value_ints=[-1, 1]))
     return op.Neg(op.Reshape(op.GatherElements(logp, idx, axis=1), op.Constant(value_ints=[-1])))
 
 
 @script(DOMAIN)
 def cross_entropy_onehot(y, t):
-    logp = op.LogSoftmax(y, axis=-1)
+    logp = _log_softmax(y)
     return op.Neg(op.ReduceSum(op.Mul(op.CastLike(t, logp), logp), op.Constant(value_ints=[1]), keepdims=0))
 
 
