@@ -108,7 +108,7 @@ def _penalty_and_grad(model: ir.Model, penalty: Penalty, w: ir.Value) -> tuple[i
     standalone.graph.outputs.append(out)
     passes.InlinePass()(standalone)
     derived, _ = gradient_ir(standalone, [], ["w"], keep_outputs=False, fill_grad=True)
-    return value, graphs.splice(model.graph, derived.graph, {"w": w}, "penalty")["w_grad"]
+    return value, graphs.splice(model.graph, derived.graph, {"w": w}, "penalty", prefix=region)["w_grad"]
 
 
 def _clip(tape: ir.tape.Tape, grads: list[ir.Value], max_norm: float) -> list[ir.Value]:

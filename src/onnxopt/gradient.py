@@ -34,11 +34,22 @@ _NON_WEIGHT_SLOTS = {
 _MISSING = re.compile(r"gradient builder has not been registered:\s*(\S+?)(?: for node (\S*))?\s*$", re.M)
 
 
+def _is_unit_constant(value: ir.Value, uses: list) -> bool:
+    """A one-element ±1 read only as ``1 - x`` or ``x·(±1)``: a converter's complement or negation
+    (skl2onnx's ``unity`` and ``negate`` in classifiers), not a weight."""
+    array = value.const_value.numpy()
+    if array.size != 1 or abs(float(array.reshape(-1)[0])) != 1.0:
+        return False
+    return all((node.op_type == "Sub" and idx == 0) or node.op_type == "Mul" for node, idx in uses)
+
+
 def _is_weight(value: ir.Value) -> bool:
     if value.const_value is None or value.dtype not in FLOAT_TYPES:
         return False
     uses = list(value.uses())
-    return any(idx not in _NON_WEIGHT_SLOTS.get(node.op_type, ()) for node, idx in uses) if uses else False
+    if not uses or _is_unit_constant(value, uses):
+        return False
+    return any(idx not in _NON_WEIGHT_SLOTS.get(node.op_type, ()) for node, idx in uses)
 
 
 def _weight_names(m: ir.Model) -> list[str]:
@@ -46,7 +57,8 @@ def _weight_names(m: ir.Model) -> list[str]:
 
 
 def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
-    """Returns the real weights of ``model``: float initializers not used as shapes, axes, indices or bounds.
+    """Returns the real weights of ``model``: float initializers not used as shapes, axes, indices or bounds,
+    nor one-element ±1 constants read only as ``1 - x`` or ``x·(±1)`` (pass ``weights=`` to train those).
 
     >>> from onnxopt.examples import linear_regression
     >>> sorted(train_initializers(linear_regression(3)))
@@ -122,8 +134,11 @@ def _cut(m: ir.Model, node_name: str, op_type: str) -> bool:
                 m.graph.inputs.append(new)
                 repl = new
                 if linked:
-                    zero = tape.op("Constant", [], {"value": ir.tensor(np.array(0.0), dtype=src.dtype)})
+                    zero = tape.op("Constant", [], {"value": ir.tensor(0.0, dtype=src.dtype)})
                     repl = tape.op("Add", [new, tape.op("Mul", [tape.op("ReduceSum", [src], {"keepdims": 0}), zero])])
+                    for n in tape.nodes[-4:]:  # typed, so a later cut can link through this stand-in too
+                        n.outputs[0].type = src.type
+                    repl.shape = out.shape
                 ir.convenience.replace_all_uses_with(out, repl, replace_graph_outputs=True)
             m.graph.insert_after(node, tape.nodes)
             m.graph.remove(node, safe=True)

@@ -93,12 +93,15 @@ def new_input(graph: ir.Graph, name: str, like: ir.Value | None = None, dtype: i
     return value
 
 
-def splice(graph: ir.Graph, sub: ir.Graph, inputs: Mapping[str, ir.Value], region: str) -> dict[str, ir.Value]:
+def splice(graph: ir.Graph, sub: ir.Graph, inputs: Mapping[str, ir.Value], region: str,
+           prefix: str | None = None) -> dict[str, ir.Value]:
     """Moves every node of ``sub`` into ``graph``: sub inputs are replaced by ``inputs[name]``.
 
-    Node and value names get the prefix ``region/`` so they stay unique; returns sub's outputs by their
-    original names, now produced inside ``graph``.
+    Node and value names get the prefix ``prefix/`` (default ``region/``) so they stay unique: splicing the
+    same kind of graph twice needs distinct prefixes. Returns sub's outputs by their original names, now
+    produced inside ``graph``.
     """
+    prefix = region if prefix is None else prefix
     outputs = {v.name: v for v in sub.outputs}
     sub.outputs.clear()
     for value in list(sub.inputs):
@@ -106,15 +109,15 @@ def splice(graph: ir.Graph, sub: ir.Graph, inputs: Mapping[str, ir.Value], regio
             ir.convenience.replace_all_uses_with(value, inputs[value.name])
     for name, value in list(sub.initializers.items()):
         sub.initializers.pop(name)
-        value.name = f"{region}/{name}"
+        value.name = f"{prefix}/{name}"
         graph.register_initializer(value)
     nodes = list(sub)
     sub.remove(nodes)
     for node in nodes:
-        node.name = f"{region}/{node.name}"
+        node.name = f"{prefix}/{node.name}"
         node.metadata_props[REGION] = region
         for out in node.outputs:
             if out.name:
-                out.name = f"{region}/{out.name}"
+                out.name = f"{prefix}/{out.name}"
     graph.extend(nodes)
     return outputs

@@ -52,7 +52,16 @@ def load_model(model: ModelLike, name: str = "model") -> ir.Model:
             f"{name}: opset {opset} is newer than onnxruntime {onnxruntime.__version__} loads "
             f"(expected <= {max_opset}); convert the model to opset {DSL_OPSET}..{max_opset}"
         )
-    m = ir.serde.deserialize_model(model)
+    try:
+        m = ir.serde.deserialize_model(model)
+    except Exception as exc:  # NOTE: onnx_ir reads tensors and sequences of tensors only, not maps
+        odd = [v.name for v in model.graph.output if v.type.WhichOneof("value") != "tensor_type"]
+        if not odd:
+            raise
+        raise ModelError(
+            f"{name}: outputs {odd} are not tensors (a map or a sequence of maps, e.g. skl2onnx's ZipMap); "
+            "expected tensor outputs: convert classifiers with options={'zipmap': False}"
+        ) from exc
     if m.ir_version > max_ir:
         m.ir_version = max_ir
     if opset < DSL_OPSET:
@@ -66,6 +75,10 @@ def load_model(model: ModelLike, name: str = "model") -> ir.Model:
                 f"convert it with onnx.version_converter first"
             ) from exc
         m.opset_imports[""] = DSL_OPSET
+    if m.opset_imports.get("ai.onnx.ml") is not None:
+        from onnxopt.rules import lower_ml_ops  # NOTE: sklearn's linear ops -> MatMul + Add with weights
+
+        lower_ml_ops(m)
     return m
 
 

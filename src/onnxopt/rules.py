@@ -4,17 +4,32 @@
   writes constants with CastLike, and the builder has a gradient for Cast only.
 - ``Relu(x)`` -> ``Where(Greater(x, 0), x, 0)`` for float64 ``x``: onnxruntime has no double kernel for the
   ``ReluGrad`` the builder emits, while ``Where``'s gradient (a ``Where``) runs in double.
+- ``Softmax(x)``/``LogSoftmax(x)`` -> ``Exp``/``Sub`` of ``x − ReduceLogSumExp(x, axis)`` for float64 ``x``:
+  SoftmaxGrad_13/LogSoftmaxGrad_13 have float kernels only.
+- ``Concat(x_1..x_k, axis)`` -> ``Pad(x_1) + ... + Pad(x_k)`` (each padded with zeros to its place) for float64
+  inputs whose sizes along ``axis`` are known: the builder's ConcatTraining gradient (SplitTraining) has no
+  double kernel, Pad's gradient (a Pad) has.
+
+``ml_rules`` (applied by ``modelio.load_model``, before weights are chosen) lower the ``ai.onnx.ml`` ops
+scikit-learn converters emit, whose coefficients are attributes without a gradient, to standard ops whose
+coefficients are initializers (weights to train), computing the same outputs:
+- ``LinearRegressor(X)`` (post_transform NONE) -> ``MatMul(Cast(X, float), <node>_coef) + <node>_intercept``
+  with ``<node>_coef`` = coefficients reshaped (targets, features) and transposed.
+- ``LinearClassifier(X)`` -> raw scores ``s = MatMul(Cast(X, float), <node>_coef) + <node>_intercept``, then
+  the scores output: ``Concat(1 - s, s)`` for one score and two class labels (onnxruntime's binary case,
+  whatever the post_transform), else ``s`` / ``Sigmoid(s)`` / ``Softmax(s)`` for post_transform NONE /
+  LOGISTIC / SOFTMAX; the label output: ``Where(s > 0, labels[1], labels[0])`` or ``labels[ArgMax(s)]``.
+  PROBIT and SOFTMAX_ZERO are left alone (then reported by ``NotDifferentiableError``).
 """
 
 from __future__ import annotations
 
 import numpy as np
-import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as passes
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
 
-__all__ = ["rules", "lower_for_gradient", "widen_float_constants"]
+__all__ = ["rules", "ml_rules", "lower_for_gradient", "lower_ml_ops", "widen_float_constants"]
 
 
 def _castlike(op, x, like):
@@ -48,8 +63,82 @@ def _relu_as_where(op, x):
     return op.Where(op.Greater(x, zero), x, zero)
 
 
+def _softmax(op, x):
+    return op.Softmax(x, _allow_other_attributes=True, _outputs=["out"])
+
+
+def _log_softmax(op, x):
+    return op.LogSoftmax(x, _allow_other_attributes=True, _outputs=["out"])
+
+
+def _softmax_double(context, x, **_) -> MatchResult:
+    result = MatchResult()
+    if x.dtype != ir.DataType.DOUBLE:
+        return result.fail("(Log)Softmax: only float64 needs rewriting ((Log)SoftmaxGrad has float kernels)")
+    return result
+
+
+def _x_minus_lse(op, x, out):
+    axis = out.producer().attributes.get_int("axis", -1)
+    return op.Sub(x, op.ReduceLogSumExp(x, op.Constant(value_ints=[axis]), keepdims=1))
+
+
+def _softmax_as_lse(op, x, out, **_):
+    return op.Exp(_x_minus_lse(op, x, out))
+
+
+def _log_softmax_as_lse(op, x, out, **_):
+    return _x_minus_lse(op, x, out)
+
+
+def _concat(op, x):
+    return op.Concat(x, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["out"])
+
+
+def _concat_sizes(out: ir.Value) -> tuple[int, list[int]] | None:
+    """(axis, sizes along it) of the Concat producing ``out`` when every input's rank and size are known."""
+    node = out.producer()
+    shapes = [v.shape if v is not None else None for v in node.inputs]
+    if any(s is None for s in shapes) or len({len(s) for s in shapes}) != 1:
+        return None
+    rank = len(shapes[0])
+    axis = node.attributes.get_int("axis", 0)
+    axis = axis + rank if axis < 0 else axis
+    sizes = [s[axis] if 0 <= axis < rank else None for s in shapes]
+    return (axis, sizes) if all(isinstance(d, int) for d in sizes) else None
+
+
+def _concat_double_static(context, x, out, **_) -> MatchResult:
+    result = MatchResult()
+    inputs = out.producer().inputs
+    if any(v is None or v.dtype != ir.DataType.DOUBLE for v in inputs):
+        return result.fail("Concat: only float64 needs rewriting (SplitTraining has float kernels)")
+    if _concat_sizes(out) is None:
+        return result.fail("Concat: the rank or the sizes along the axis are unknown")
+    return result
+
+
+def _concat_as_pads(op, x, out):
+    node = out.producer()
+    axis, sizes = _concat_sizes(out)
+    rank = len(node.inputs[0].shape)
+    total, offset, parts = sum(sizes), 0, []
+    for value, size in zip(node.inputs, sizes):
+        pads = [0] * (2 * rank)
+        pads[axis], pads[rank + axis] = offset, total - offset - size
+        parts.append(op.Pad(value, op.Constant(value_ints=pads)))
+        offset += size
+    result = parts[0]
+    for part in parts[1:]:
+        result = op.Add(result, part)
+    return result
+
+
 rules = RewriteRuleSet([RewriteRule(_castlike, _cast, _castlike_known, name="CastLikeToCast"),
-                        RewriteRule(_relu, _relu_as_where, _relu_double, name="DoubleReluToWhere")])
+                        RewriteRule(_relu, _relu_as_where, _relu_double, name="DoubleReluToWhere"),
+                        RewriteRule(_softmax, _softmax_as_lse, _softmax_double, name="DoubleSoftmaxToLSE"),
+                        RewriteRule(_log_softmax, _log_softmax_as_lse, _softmax_double, name="DoubleLogSoftmaxToLSE"),
+                        RewriteRule(_concat, _concat_as_pads, _concat_double_static, name="DoubleConcatToPads")])
 
 
 def lower_for_gradient(model: ir.Model) -> ir.Model:
@@ -59,7 +148,21 @@ def lower_for_gradient(model: ir.Model) -> ir.Model:
     except Exception:  # NOTE: inference fails on some contrib ops; the rules then match less, nothing breaks
         pass
     rules.apply_to_model(model)
+    _split_repeated_inputs(model.graph)
     return model
+
+
+def _split_repeated_inputs(graph: ir.Graph) -> None:
+    """``Mul(w, w)`` -> ``Mul(w, Identity(w))``: the builder names both partial gradients of a graph input
+    used twice by one node ``w_grad`` and fails with "Duplicate definition of name (w_grad)"."""
+    for node in list(graph):
+        seen = set()
+        for i, value in enumerate(node.inputs):
+            if value is not None and value in seen and (value.is_graph_input() or value.is_initializer()):
+                copy = ir.node("Identity", [value], metadata_props=dict(node.metadata_props))
+                graph.insert_before(node, copy)
+                node.replace_input_with(i, copy.outputs[0])
+            seen.add(value)
 
 
 def widen_float_constants(model: ir.Model, dtype: ir.DataType) -> int:
@@ -82,3 +185,112 @@ def widen_float_constants(model: ir.Model, dtype: ir.DataType) -> int:
         node.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.array(attr.value, dtype=np.float64)))
         count += 1
     return count
+
+
+ML_DOMAIN = "ai.onnx.ml"
+
+
+def _unique(node: ir.Node, base: str) -> str:
+    taken = node.graph.initializers if node.graph is not None else {}
+    name, i = base, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    return name
+
+
+def _affine(op, x, node: ir.Node, n_targets: int):
+    """MatMul(Cast(X, float), coef) + intercept, the node's coefficient attributes as new initializers."""
+    coef = np.asarray(node.attributes.get_floats("coefficients"), dtype=np.float32).reshape(n_targets, -1).T
+    prefix = node.name or node.outputs[-1].name or node.op_type
+    xf = x if x.dtype == ir.DataType.FLOAT else op.Cast(x, to=ir.DataType.FLOAT)
+    y = op.MatMul(xf, op.initializer(ir.tensor(np.ascontiguousarray(coef)), _unique(node, f"{prefix}_coef")))
+    intercepts = node.attributes.get_floats("intercepts", [])
+    if len(intercepts):
+        b = op.initializer(ir.tensor(np.asarray(intercepts, dtype=np.float32)), _unique(node, f"{prefix}_intercept"))
+        y = op.Add(y, b)
+    return y
+
+
+def _coefficients_fit(node: ir.Node, n_targets: int) -> bool:
+    coef = node.attributes.get_floats("coefficients", [])
+    return n_targets > 0 and len(coef) > 0 and len(coef) % n_targets == 0
+
+
+def _linear_regressor(op, x):
+    return op.LinearRegressor(x, _domain=ML_DOMAIN, _allow_other_attributes=True, _outputs=["out"])
+
+
+def _linear_regressor_check(context, x, out, **_) -> MatchResult:
+    result = MatchResult()
+    node = out.producer()
+    if node.attributes.get_string("post_transform", "NONE") != "NONE":
+        return result.fail("LinearRegressor: only post_transform NONE is lowered")
+    if not _coefficients_fit(node, node.attributes.get_int("targets", 1)):
+        return result.fail("LinearRegressor: coefficients do not split into 'targets' rows")
+    return result
+
+
+def _linear_regressor_lowered(op, x, out):
+    node = out.producer()
+    return _affine(op, x, node, node.attributes.get_int("targets", 1))
+
+
+def _linear_classifier(op, x):
+    return op.LinearClassifier(x, _domain=ML_DOMAIN, _allow_other_attributes=True, _outputs=["label", "scores"])
+
+
+def _class_labels(node: ir.Node) -> list:
+    strings = node.attributes.get_strings("classlabels_strings", [])
+    return list(strings) if len(strings) else list(node.attributes.get_ints("classlabels_ints", []))
+
+
+def _labels(op, labels: list):
+    if labels and isinstance(labels[0], str):
+        return op.Constant(value=ir.StringTensor([s.encode("utf-8") for s in labels], shape=ir.Shape([len(labels)])))
+    return op.Constant(value=ir.tensor(np.array(labels, dtype=np.int64)))
+
+
+def _linear_classifier_check(context, x, label, scores, **_) -> MatchResult:
+    result = MatchResult()
+    node = scores.producer()
+    n_classes = len(node.attributes.get_floats("intercepts", []))
+    transform = node.attributes.get_string("post_transform", "NONE")
+    if not _coefficients_fit(node, n_classes):
+        return result.fail("LinearClassifier: needs one intercept per row of coefficients")
+    n_labels = len(_class_labels(node))
+    if n_classes == 1 and n_labels != 2:
+        return result.fail("LinearClassifier: one score needs two class labels")
+    if n_classes > 1 and (n_labels != n_classes or transform not in ("NONE", "LOGISTIC", "SOFTMAX")):
+        return result.fail(f"LinearClassifier: post_transform {transform} or these class labels are not lowered")
+    return result
+
+
+def _linear_classifier_lowered(op, x, label, scores):
+    node = scores.producer()
+    labels = _class_labels(node)
+    n_classes = len(node.attributes.get_floats("intercepts"))
+    s = _affine(op, x, node, n_classes)
+    if n_classes == 1:  # onnxruntime's binary case: scores (1 - s, s), label by the sign of s
+        one = op.Constant(value=ir.tensor(np.array([1.0], dtype=np.float32)))
+        positive = op.Greater(op.Reshape(s, op.Constant(value_ints=[-1])), op.Constant(value_float=0.0))
+        y = op.Where(positive, _labels(op, labels[1:2]), _labels(op, labels[0:1]))
+        return y, op.Concat(op.Sub(one, s), s, axis=1)
+    y = op.Gather(_labels(op, labels), op.ArgMax(s, axis=1, keepdims=0), axis=0)
+    transform = node.attributes.get_string("post_transform", "NONE")
+    z = op.Sigmoid(s) if transform == "LOGISTIC" else op.Softmax(s, axis=1) if transform == "SOFTMAX" else s
+    return y, z
+
+
+ml_rules = RewriteRuleSet([
+    RewriteRule(_linear_regressor, _linear_regressor_lowered, _linear_regressor_check,
+                name="LinearRegressorToMatMulAdd"),
+    RewriteRule(_linear_classifier, _linear_classifier_lowered, _linear_classifier_check,
+                name="LinearClassifierToMatMulAdd"),
+])
+
+
+def lower_ml_ops(model: ir.Model) -> ir.Model:
+    """Applies ``ml_rules`` in place when the graph holds one of their ``ai.onnx.ml`` ops; returns ``model``."""
+    if any(n.domain == ML_DOMAIN and n.op_type in ("LinearRegressor", "LinearClassifier") for n in model.graph):
+        ml_rules.apply_to_model(model)
+    return model

@@ -35,7 +35,10 @@ def to_script(fn: Callable | _Fn, what: str) -> _Fn:
     try:
         return script(DOMAIN)(fn)
     except Exception as exc:
-        where = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}" if hasattr(fn, "__code__") else ""
+        try:
+            where = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}" if hasattr(fn, "__code__") else ""
+        except (OSError, TypeError):  # NOTE: no source for functions defined in a REPL, stdin or exec
+            where = "source unavailable"
         raise DslError(f"{what}: {fn.__name__} ({where}) is not a valid onnxscript function: {exc}") from exc
 
 

@@ -36,13 +36,14 @@ def exponential_schedule(step, eta0: float = 0.01, gamma: float = 0.99):
 
 @script(DOMAIN)
 def cosine_schedule(step, eta0: float = 0.01, total: float = 1000.0, warmup: float = 0.0, eta_min: float = 0.0):
-    """Linear warm-up to eta0 over ``warmup`` steps, then cosine decay to eta_min at step ``total``."""
+    """lr = eta0·t/warmup for t <= warmup, then eta_min + (eta0 − eta_min)·(1 + cos(π·(t−1−warmup)/(total−warmup)))/2."""
     one = op.CastLike(1.0, step)
     w = op.CastLike(warmup, step)
     e0 = op.CastLike(eta0, step)
     emin = op.CastLike(eta_min, step)
     warm = op.Div(op.Mul(e0, step), op.Max(w, one))
-    frac = op.Min(op.Div(op.Sub(step, w), op.Max(op.Sub(op.CastLike(total, step), w), one)), one)
+    # NOTE: like torch's CosineAnnealingLR, the first step after warm-up uses eta0 (t - 1 - warmup = 0)
+    frac = op.Min(op.Div(op.Sub(op.Sub(step, one), w), op.Max(op.Sub(op.CastLike(total, step), w), one)), one)
     # NOTE: onnxruntime's CPU Cos is float32 only; the schedule needs no more precision than that.
     angle = op.Cast(op.Mul(op.CastLike(3.141592653589793, step), frac), to=1)
     half_cos = op.Div(op.Add(one, op.CastLike(op.Cos(angle), step)), op.CastLike(2.0, step))

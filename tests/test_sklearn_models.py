@@ -1,0 +1,202 @@
+"""Models converted by skl2onnx from scikit-learn compile into one training step and train.
+
+References are scikit-learn's own predictions and metrics (``predict``, ``predict_proba``, ``log_loss``), never
+onnxopt: the first fused loss must equal the loss of the fitted estimator, and the loss must fall over 100
+steps of a loop that feeds every ``*.new`` output back as the next input.
+"""
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from helpers import session
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.linear_model import LinearRegression, LogisticRegression, SGDClassifier
+from sklearn.metrics import log_loss
+from sklearn.neural_network import MLPClassifier, MLPRegressor
+from skl2onnx import to_onnx
+
+import onnxopt
+from onnxopt import dsl
+from onnxopt.step import STEP
+
+OPSET = 18  # NOTE: skl2onnx's default opset (22) is newer than onnxruntime 1.19 loads
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(128, 4)).astype(np.float32)
+    y = (X @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.3 + 0.1 * rng.normal(size=128)).astype(np.float32)
+    labels = (y + 0.5 * rng.normal(size=128) > 0).astype(np.int64)
+    return X, y, labels
+
+
+def train(step, X, y, n_steps=100):
+    """Runs the fused step ``n_steps`` times in one session; returns the losses and the last weights."""
+    sess = session(step.model)
+    out_names = [o.name for o in sess.get_outputs()]
+    carry = {name: value for name, value in step.initial_weights().items()}
+    for name in step.state:
+        carry[name] = np.array(0, np.int64) if name == STEP else np.zeros_like(carry[name.rsplit(".", 1)[0]])
+    data = {step.inputs[0]: X, step.target: y}
+    if step.sample_weight:
+        data[step.sample_weight] = np.ones(len(X), carry[step.weights[0]].dtype)
+    losses = []
+    for _ in range(n_steps):
+        out = dict(zip(out_names, sess.run(None, {**data, **carry})))
+        losses.append(float(out[step.loss]))
+        carry = {name: out[name + ".new"] for name in carry}
+    assert carry[STEP] == n_steps
+    return np.array(losses), {n: carry[n] for n in step.weights}
+
+
+def _fit(est, X, y):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        return est.fit(X, y)
+
+
+def _with_weights(model: onnx.ModelProto, weights: dict) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for init in m.graph.initializer:
+        if init.name in weights:
+            init.CopyFrom(onnx.numpy_helper.from_array(weights[init.name].astype(np.float32), init.name))
+    return m
+
+
+def test_linear_regression(data):
+    X, y, _ = data
+    rng = np.random.default_rng(1)
+    est = _fit(LinearRegression(), X, X @ rng.normal(size=4).astype(np.float32) - 1.0)  # fitted to other targets
+    onx = to_onnx(est, X[:1], target_opset=OPSET)
+    assert [n.op_type for n in onx.graph.node] == ["LinearRegressor"]  # coefficients as attributes
+    step = onnxopt.compile_train_step(onx, loss="square", update="sgd", learning_rate=0.1)
+    assert sorted(step.weights) == ["LinearRegressor_coef", "LinearRegressor_intercept"]
+    losses, w = train(step, X, y)
+    np.testing.assert_allclose(losses[0], np.mean((est.predict(X) - y) ** 2), rtol=1e-4)
+    assert losses[-1] < 0.01 * losses[0]
+    ref = LinearRegression().fit(X, y)
+    np.testing.assert_allclose(w["LinearRegressor_coef"][:, 0], ref.coef_, atol=0.05)
+    np.testing.assert_allclose(w["LinearRegressor_intercept"], [ref.intercept_], atol=0.05)
+
+
+def test_mlp_regressor(data):
+    X, y, _ = data
+    est = _fit(MLPRegressor(hidden_layer_sizes=(8,), max_iter=3, random_state=0), X, y)
+    onx = to_onnx(est, X[:1], target_opset=OPSET)
+    step = onnxopt.compile_train_step(onx, loss="square", update="adam", learning_rate=0.01)
+    assert sorted(step.weights) == ["coefficient", "coefficient1", "intercepts", "intercepts1"]  # not shape_tensor
+    losses, w = train(step, X, y)
+    np.testing.assert_allclose(losses[0], np.mean((est.predict(X) - y) ** 2), rtol=1e-4)
+    assert losses[-1] < 0.3 * losses[0]
+    pred = session(_with_weights(onx, w)).run(None, {"X": X})[0]  # the trained weights in the inference model
+    np.testing.assert_allclose(np.mean((pred[:, 0] - y) ** 2), losses[-1], rtol=0.2)
+
+
+def _classifier_step(onx, loss, learning_rate=2.0):
+    return onnxopt.compile_train_step(onx, loss=loss, output="probabilities", update="sgd", learning_rate=learning_rate)
+
+
+def test_mlp_classifier_on_probabilities(data):
+    X, _, labels = data
+    est = _fit(MLPClassifier(hidden_layer_sizes=(8,), max_iter=3, random_state=0), X, labels)
+    onx = to_onnx(est, X[:1], options={"zipmap": False}, target_opset=OPSET)
+    step = _classifier_step(onx, dsl.losses.cross_entropy(from_logits=False), learning_rate=0.5)
+    assert "unity" not in step.weights  # the constant 1 of (1 - p, p) is no weight
+    assert sorted(step.weights) == ["coefficient", "coefficient1", "intercepts", "intercepts1"]
+    losses, w = train(step, X, labels)
+    np.testing.assert_allclose(losses[0], log_loss(labels, est.predict_proba(X)), rtol=1e-4)
+    assert losses[-1] < 0.7 * losses[0]
+    proba = session(_with_weights(onx, w)).run(None, {"X": X})[1]
+    np.testing.assert_allclose(proba.sum(axis=1), 1.0, rtol=1e-6)
+    assert log_loss(labels, proba) < 0.7 * losses[0]
+
+
+def test_mlp_classifier_raw_scores_are_not_offered(data):
+    X, _, labels = data
+    est = _fit(MLPClassifier(hidden_layer_sizes=(4,), max_iter=1, random_state=0), X, labels)
+    with pytest.raises(NameError, match="raw_scores"):
+        to_onnx(est, X[:1], options={"zipmap": False, "raw_scores": True}, target_opset=OPSET)
+
+
+def test_sgd_classifier_log_loss_on_probabilities(data):
+    X, _, labels = data
+    est = _fit(SGDClassifier(loss="log_loss", max_iter=2, random_state=0), X, labels)
+    onx = to_onnx(est, X[:1], options={"zipmap": False}, target_opset=OPSET)
+    assert all(n.op_type != "ZipMap" for n in onx.graph.node)
+    step = _classifier_step(onx, dsl.losses.cross_entropy(from_logits=False))
+    assert sorted(step.weights) == ["coef", "intercept"]
+    losses, _ = train(step, X, labels)
+    # NOTE: rtol 1e-3: the ONNX graph computes 1 - sigmoid(s) in float32, scikit-learn in float64
+    np.testing.assert_allclose(losses[0], log_loss(labels, est.predict_proba(X)), rtol=1e-3)
+    assert losses[-1] < 0.5 * losses[0]
+    assert np.all(np.diff(losses[:20]) < 0)  # plain gradient descent on a convex loss
+
+
+def test_sgd_classifier_log_loss_on_raw_scores(data):
+    X, _, labels = data
+    est = _fit(SGDClassifier(loss="log_loss", max_iter=2, random_state=0), X, labels)
+    onx = to_onnx(est, X[:1], options={"zipmap": False, "raw_scores": True}, target_opset=OPSET)
+    assert "Sigmoid" not in {n.op_type for n in onx.graph.node}
+    step = _classifier_step(onx, dsl.losses.log(from_logits=True))  # reads the positive-class score
+    assert sorted(step.weights) == ["coef", "intercept"]  # 'negate' (-1) is no weight
+    assert step.target_kind == "float"
+    losses, w = train(step, X, labels.astype(np.float32))
+    np.testing.assert_allclose(losses[0], log_loss(labels, est.predict_proba(X)), rtol=1e-4)
+    assert losses[-1] < 0.5 * losses[0]
+    s = (X @ w["coef"] + w["intercept"])[:, 0].astype(np.float64)  # the raw score with the trained weights
+    np.testing.assert_allclose(np.mean(np.logaddexp(0, s) - labels * s), losses[-1], rtol=0.05)
+
+
+def test_logistic_regression_linear_classifier_is_lowered(data):
+    X, _, labels = data
+    est = _fit(LogisticRegression(max_iter=2), X, labels)
+    onx = to_onnx(est, X[:1], options={"zipmap": False}, target_opset=OPSET)
+    assert [n.op_type for n in onx.graph.node] == ["LinearClassifier"]
+    # NOTE: binary LogisticRegression becomes two independent LOGISTIC rows (-w, w): only the binary log loss
+    # on the positive column is a proper objective (a cross-entropy would push both rows up on its own).
+    step = _classifier_step(onx, dsl.losses.log(from_logits=False))
+    assert sorted(step.weights) == ["LinearClassifier_coef", "LinearClassifier_intercept"]
+    losses, w = train(step, X, labels.astype(np.float32))
+    np.testing.assert_allclose(losses[0], log_loss(labels, est.predict_proba(X)), rtol=1e-4)
+    assert losses[-1] < 0.5 * losses[0]
+    best = log_loss(labels, LogisticRegression(C=1e6, max_iter=1000).fit(X, labels).predict_proba(X))
+    assert losses[-1] > best - 1e-3  # no model of this family does better than the unregularized optimum
+    assert w["LinearClassifier_coef"].shape == (4, 2)
+
+
+def test_zipmap_output_is_refused_with_a_hint(data):
+    X, _, labels = data
+    est = _fit(SGDClassifier(loss="log_loss", max_iter=2, random_state=0), X, labels)
+    onx = to_onnx(est, X[:1], target_opset=OPSET)  # default: probabilities through ZipMap
+    with pytest.raises(onnxopt.ModelError, match="zipmap"):
+        onnxopt.compile_train_step(onx, loss=dsl.losses.cross_entropy(from_logits=False), output="output_probability")
+
+
+@pytest.mark.parametrize("kind", ["mlp_regressor", "mlp_classifier", "sgd_classifier"])
+def test_float64_models(data, kind):
+    """skl2onnx keeps float64 when fed float64: the step runs in double (Relu, Concat have float-only gradient
+    kernels in onnxruntime and are rewritten before differentiation)."""
+    X32, y32, labels = data
+    X, y = X32.astype(np.float64), y32.astype(np.float64)
+    if kind == "mlp_regressor":
+        est = _fit(MLPRegressor(hidden_layer_sizes=(8,), max_iter=3, random_state=0), X, y)
+        onx = to_onnx(est, X[:1], target_opset=OPSET)
+        step = onnxopt.compile_train_step(onx, loss="square", update="adam", learning_rate=0.01)
+        expected, target = np.mean((est.predict(X) - y) ** 2), y
+    else:
+        model = MLPClassifier(hidden_layer_sizes=(8,), max_iter=3, random_state=0) if kind == "mlp_classifier" \
+            else SGDClassifier(loss="log_loss", max_iter=2, random_state=0)
+        est = _fit(model, X, labels)
+        onx = to_onnx(est, X[:1], options={"zipmap": False}, target_opset=OPSET)
+        lr = 0.5 if kind == "mlp_classifier" else 2.0
+        step = _classifier_step(onx, dsl.losses.cross_entropy(from_logits=False), learning_rate=lr)
+        expected, target = log_loss(labels, est.predict_proba(X)), labels
+    assert {onnx.helper.tensor_dtype_to_np_dtype(t.data_type) for t in step.model.graph.initializer
+            if t.name in step.weights} == {np.dtype(np.float64)}
+    losses, _ = train(step, X, target)
+    np.testing.assert_allclose(losses[0], expected, rtol=1e-9)
+    assert losses[-1] < 0.7 * losses[0]
