@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnxruntime as ort
 
@@ -31,3 +33,11 @@ def run_once(step, X, y, sample_weight=None, weights=None, state=None, step_coun
             w = weights[name.rsplit(".", 1)[0]]
             feeds[name] = (state or {}).get(name, np.zeros_like(w))
     return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def cosine_ref(t: float, eta0: float, total: float, warmup: float, eta_min: float) -> float:
+    """NumPy reference of dsl.schedules.cosine at the 1-based step t."""
+    if t <= warmup:
+        return eta0 * t / max(warmup, 1)
+    frac = min((t - 1 - warmup) / max(total - warmup, 1), 1.0)  # torch's T_cur: 0 on the first step
+    return eta_min + (eta0 - eta_min) * (1 + math.cos(math.pi * frac)) / 2

@@ -287,11 +287,7 @@ def _schedule_case(decl, ref, ts=(1, 2, 3, 7, 10, 25, 40)):
     return case
 
 
-def _cosine_ref(t, eta0, total, warmup, eta_min):
-    if t <= warmup:
-        return eta0 * t / max(warmup, 1)
-    frac = min((t - 1 - warmup) / max(total - warmup, 1), 1.0)  # torch's T_cur: 0 on the first step
-    return eta_min + (eta0 - eta_min) * (1 + math.cos(math.pi * frac)) / 2
+from helpers import cosine_ref as _cosine_ref  # noqa: E402
 
 
 CASES = {
