@@ -1,4 +1,4 @@
-"""rules.ml_rules: ai.onnx.ml LinearRegressor / LinearClassifier lowered to MatMul + Add give the same outputs
+"""ml_rules: ai.onnx.ml LinearRegressor / LinearClassifier lowered to MatMul + Add give the same outputs
 as onnxruntime's own kernels (the reference), and their coefficients become trainable initializers."""
 
 import numpy as np
@@ -11,7 +11,7 @@ from onnx import TensorProto
 
 import onnxopt
 from onnxopt.modelio import load_model
-from onnxopt.rules import lower_ml_ops, ml_rules
+from onnxopt.ml_rules import lower_ml_ops, ml_rules
 
 N_FEATURES = 3
 

@@ -76,7 +76,7 @@ def load_model(model: ModelLike, name: str = "model") -> ir.Model:
             ) from exc
         m.opset_imports[""] = DSL_OPSET
     if m.opset_imports.get("ai.onnx.ml") is not None:
-        from onnxopt.rules import lower_ml_ops  # NOTE: sklearn's linear ops -> MatMul + Add with weights
+        from onnxopt.ml_rules import lower_ml_ops  # NOTE: sklearn's linear ops -> MatMul + Add with weights
 
         lower_ml_ops(m)
     return m
