@@ -6,7 +6,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import onnx_ir as ir
-import onnx_ir.passes.common as passes
 import onnxscript
 
 from onnxopt.errors import DslError

@@ -62,7 +62,7 @@ class Runner:
             b.bind_ortvalue_output(self.train_step.loss, self._losses[k])
         self._current = 0
         self._previous_valid = False
-        self._ones: dict[int, np.ndarray] = {}
+        self._ones: dict[int, ort.OrtValue] = {}
         self.n_runs = 0
 
     # -- buffers -----------------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ class Runner:
         return binding
 
     # -- training ----------------------------------------------------------------------------------------
-    def _array(self, name: str, value, dtype) -> ort.OrtValue:
+    def _array(self, value, dtype) -> ort.OrtValue:
         arr = np.ascontiguousarray(value, dtype=dtype)
         return ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
 
@@ -94,19 +94,20 @@ class Runner:
         ts = self.train_step
         binding = self._bindings[self._current]
         X = np.asarray(X)
-        binding.bind_ortvalue_input(ts.inputs[0], self._array(ts.inputs[0], X, self.dtype))
+        binding.bind_ortvalue_input(ts.inputs[0], self._array(X, self.dtype))
         n = X.shape[0]
         if ts.target is not None:
             if y is None:
                 raise DataError(f"y: the compiled loss needs targets for {ts.target!r}, got None")
             ydtype = np.int64 if ts.target_kind == "index" else self.dtype
-            binding.bind_ortvalue_input(ts.target, self._array(ts.target, y, ydtype))
+            binding.bind_ortvalue_input(ts.target, self._array(y, ydtype))
         if ts.sample_weight is not None:
-            if sample_weight is None:
+            if sample_weight is None:  # NOTE: unweighted batches share one ones-OrtValue per batch length
                 if n not in self._ones:
-                    self._ones[n] = np.ones(n, self.dtype)
-                sample_weight = self._ones[n]
-            binding.bind_ortvalue_input(ts.sample_weight, self._array(ts.sample_weight, sample_weight, self.dtype))
+                    self._ones[n] = self._array(np.ones(n, self.dtype), self.dtype)
+                binding.bind_ortvalue_input(ts.sample_weight, self._ones[n])
+            else:
+                binding.bind_ortvalue_input(ts.sample_weight, self._array(sample_weight, self.dtype))
         elif sample_weight is not None:
             raise DataError("sample_weight: the compiled loss takes no sample weight (its function has no "
                             "'sample_weight' input), got an array")
