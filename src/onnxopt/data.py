@@ -1,0 +1,108 @@
+"""Checks and conversions of training data: each failure is a ``DataError`` naming the input.
+
+Casting rule: float data of another precision is cast (as scikit-learn does); integer or boolean data is
+cast only when every value survives the cast exactly; anything else (strings, objects, complex) is refused.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from onnxopt.errors import DataError
+
+__all__ = ["as_array", "check_features", "check_target", "check_sample_weight", "check_batch_size"]
+
+
+def as_array(value, dtype, name: str) -> np.ndarray:
+    """``value`` (array, list, DataFrame) as a C-contiguous array of ``dtype``, cast only when lossless."""
+    dtype = np.dtype(dtype)
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{name}: expected a numeric array, got {type(value).__name__} ({exc})") from exc
+    if arr.dtype == dtype:
+        return np.ascontiguousarray(arr)
+    if arr.dtype.kind == "O":  # NOTE: lists of mixed numbers or pandas object columns
+        try:
+            arr = arr.astype(np.float64)
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"{name}: expected numbers, got dtype object holding non-numbers ({exc})") from exc
+    if arr.dtype.kind == "f" and dtype.kind == "f":
+        return np.ascontiguousarray(arr, dtype=dtype)
+    if arr.dtype.kind in "biuf" and dtype.kind in "biuf":
+        cast = arr.astype(dtype)
+        if arr.size and not np.array_equal(cast.astype(arr.dtype), arr, equal_nan=arr.dtype.kind == "f"):
+            raise DataError(f"{name}: expected {dtype} values, got {arr.dtype} values that change when cast "
+                            f"to {dtype} (e.g. non-integer class labels or integers too large)")
+        return np.ascontiguousarray(cast)
+    raise DataError(f"{name}: expected numbers castable to {dtype}, got dtype {arr.dtype}")
+
+
+def _check_finite(arr: np.ndarray, name: str, allow_nan: bool) -> None:
+    if not allow_nan and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        bad = np.argwhere(~np.isfinite(arr))[0]
+        raise DataError(f"{name}: expected finite values, got {arr[tuple(bad)]} at index {tuple(int(i) for i in bad)} "
+                        f"(pass allow_nan=True if the model handles them)")
+
+
+def check_features(X, shape: list, dtype, allow_nan: bool = False) -> np.ndarray:
+    """X as the model's input expects it: ``shape`` is the input's shape (ints fixed, anything else free)."""
+    arr = as_array(X, dtype, "X")
+    if arr.ndim != len(shape):
+        hint = " (use X.reshape(-1, 1) for a single feature)" if arr.ndim == 1 and len(shape) == 2 else ""
+        raise DataError(f"X: expected {len(shape)} dimensions {list(shape)}, got shape {arr.shape}{hint}")
+    for axis, (want, got) in enumerate(zip(shape, arr.shape)):
+        if isinstance(want, int) and axis > 0 and want != got:
+            raise DataError(f"X: expected {want} values on axis {axis} (model input shape {list(shape)}), got "
+                            f"shape {arr.shape}")
+    if arr.shape[0] == 0:
+        raise DataError(f"X: expected at least one sample, got shape {arr.shape}")
+    _check_finite(arr, "X", allow_nan)
+    return arr
+
+
+def check_target(y, n: int, dtype, shape: list | None, allow_nan: bool = False) -> np.ndarray:
+    """y with ``n`` rows; (n,) is accepted for a prediction shaped (n, 1) and the other way round."""
+    if y is None:
+        raise DataError("y: the loss needs targets, got None")
+    arr = as_array(y, dtype, "y")
+    if arr.ndim == 0 or arr.shape[0] != n:
+        raise DataError(f"y: expected {n} rows (one per sample of X), got shape {arr.shape}")
+    if shape is not None and dtype != np.int64:
+        tail = [d if isinstance(d, int) else None for d in shape[1:]]
+        fits = (list(arr.shape[1:]) in ([], [1]) and tail in ([], [1])) or (
+            len(tail) == arr.ndim - 1 and all(t is None or t == a for t, a in zip(tail, arr.shape[1:])))
+        if not fits:
+            raise DataError(f"y: expected shape {[n, *tail]} to match the prediction {list(shape)}, got {arr.shape}")
+    elif dtype == np.int64 and arr.ndim != 1:
+        raise DataError(f"y: expected class labels shaped ({n},), got shape {arr.shape}")
+    _check_finite(arr, "y", allow_nan)
+    return arr
+
+
+def check_sample_weight(sample_weight, n: int, dtype) -> np.ndarray | None:
+    """None, or ``n`` finite non-negative weights, not all zero."""
+    if sample_weight is None:
+        return None
+    arr = as_array(sample_weight, dtype, "sample_weight")
+    if arr.shape != (n,):
+        raise DataError(f"sample_weight: expected shape ({n},) (one per sample of X), got {arr.shape}")
+    _check_finite(arr, "sample_weight", False)
+    if (arr < 0).any():
+        raise DataError(f"sample_weight: expected non-negative weights, got {arr.min()} at index {int(arr.argmin())}")
+    if not arr.any():
+        raise DataError("sample_weight: expected at least one positive weight, got all zeros")
+    return arr
+
+
+def check_batch_size(batch_size, n: int) -> int:
+    """``batch_size`` as an int in [1, n]; larger than the data is clipped with a warning."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise DataError(f"batch_size: expected an integer >= 1, got {batch_size!r}")
+    if batch_size > n:
+        warnings.warn(f"batch_size: {batch_size} is larger than the {n} training samples; clipped to {n}",
+                      UserWarning, stacklevel=3)
+        return n
+    return int(batch_size)

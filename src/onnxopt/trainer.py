@@ -1,0 +1,364 @@
+"""``Trainer``: a scikit-learn-style estimator that trains an ONNX model with one fused run per batch.
+
+It follows scikit-learn's conventions (parameters stored as given, ``get_params``/``set_params``, ``fit``
+returns self, fitted attributes end with ``_``) and its SGD/MLP estimators' stopping rule, without
+depending on scikit-learn. Epochs are deterministic given ``random_state`` and the epoch number, which makes
+a run resumed from ``checkpoint_dir`` equal an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import warnings
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as passes
+import onnxruntime as ort
+from tqdm.auto import tqdm
+
+from onnxopt.data import check_batch_size, check_features, check_sample_weight, check_target
+from onnxopt.dsl import losses
+from onnxopt.errors import ConvergenceError, DataError, ModelError
+from onnxopt.fuse import compile_train_step
+from onnxopt.loss_output import add_loss_output
+from onnxopt.resolve import resolve_loss
+from onnxopt.runner import Runner, default_session_options
+
+__all__ = ["Trainer"]
+
+_CHECKPOINT, _META = "checkpoint.npz", "trainer.json"
+
+
+class Trainer:
+    """Trains ``model`` (an ONNX model or path) like a scikit-learn estimator.
+
+    Classifiers are recognised by their loss: ``log`` (binary, labels of two classes) and ``cross_entropy``
+    (labels of any classes, kept in ``classes_``); ``score`` is then the accuracy, else R².
+    ``train_losses_`` holds the mean training loss of each epoch (penalty included),
+    ``validation_losses_`` the loss on the held-out fraction when ``early_stopping`` is set (penalty
+    excluded); training stops when that loss (or the training loss) has not improved by ``tol`` for more
+    than ``n_iter_no_change`` epochs, like scikit-learn's MLP. ``tol=None`` runs all ``max_iter`` epochs.
+    """
+
+    def __init__(self, model, loss="square", update="sgd", penalty=None, learning_rate=1e-2, batch_size=32,
+                 max_iter=100, shuffle=True, random_state=0, device="cpu", early_stopping=False,
+                 validation_fraction=0.1, n_iter_no_change=5, tol=1e-4, verbose=0, weights=None, output=None,
+                 loss_output=None, warm_start=False, checkpoint_dir=None, allow_nan=False):
+        self.model, self.loss, self.update, self.penalty = model, loss, update, penalty
+        self.learning_rate, self.batch_size, self.max_iter, self.shuffle = learning_rate, batch_size, max_iter, shuffle
+        self.random_state, self.device, self.early_stopping = random_state, device, early_stopping
+        self.validation_fraction, self.n_iter_no_change, self.tol = validation_fraction, n_iter_no_change, tol
+        self.verbose, self.weights, self.output, self.loss_output = verbose, weights, output, loss_output
+        self.warm_start, self.checkpoint_dir, self.allow_nan = warm_start, checkpoint_dir, allow_nan
+
+    # -- scikit-learn protocol ---------------------------------------------------------------------------
+    @classmethod
+    def _param_names(cls) -> list[str]:
+        return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+
+    def get_params(self, deep: bool = True) -> dict:
+        """The constructor's parameters (``deep`` is accepted for scikit-learn and has no effect)."""
+        return {name: getattr(self, name) for name in self._param_names()}
+
+    def set_params(self, **params) -> Trainer:
+        """Sets constructor parameters; the next ``fit`` uses them (it recompiles unless ``warm_start``)."""
+        for name, value in params.items():
+            if name not in self._param_names():
+                raise ValueError(f"set_params: unknown parameter {name!r}; expected one of {self._param_names()}")
+            setattr(self, name, value)
+        return self
+
+    def __repr__(self) -> str:
+        defaults = {p.name: p.default for p in inspect.signature(type(self).__init__).parameters.values()}
+        shown = [f"{k}={v!r}" for k, v in self.get_params().items()
+                 if k != "model" and not _same(v, defaults.get(k))]
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def _initialize(self) -> None:
+        self.train_step_ = compile_train_step(
+            self.model, loss=self.loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
+            weights=self.weights, output=self.output, loss_output=self.loss_output)
+        self.runner_ = Runner(self.train_step_, device=self.device)
+        self._loss = resolve_loss(self.loss) if self.loss is not None else None
+        self._kind = _task(self._loss)
+        self.n_iter_, self.train_losses_, self.validation_losses_ = 0, [], []
+        self._seed = _seed(self.random_state)
+        self._best = (np.inf, 0, None)  # NOTE: best loss, epochs without improvement, weights of the best
+        inputs = {i.name: i for i in self.runner_.session.get_inputs()}
+        self._x_shape = inputs[self.train_step_.inputs[0]].shape
+        self._y_shape = None
+        self._predictor = self._evaluator = None
+        self.__dict__.pop("classes_", None)
+
+    def _sessions(self) -> None:
+        """Prediction and validation-loss sessions whose weights are inputs bound to the runner's OrtValues."""
+        exported = self.runner_.export()
+        out = _prediction_output(exported, self.output, self.loss_output if self._loss is None else None)
+        self._predictor = _session(exported, [out], self.train_step_.weights, self.runner_.dtype)
+        pred = next(o for o in self._predictor.get_outputs() if o.name == out)
+        self._y_shape, self._out = pred.shape, out
+        if self._loss is None:
+            self._evaluator = _session(exported, [self.loss_output], self.train_step_.weights, self.runner_.dtype)
+        else:
+            with_loss = add_loss_output(exported, self._loss, output=self.output)
+            self._evaluator = _session(with_loss, ["loss"], self.train_step_.weights, self.runner_.dtype)
+
+    def _run(self, session: ort.InferenceSession, feeds: dict) -> np.ndarray:
+        binding = session.io_binding()
+        current = self.runner_.current_values()
+        names = {i.name for i in session.get_inputs()}
+        for name in self.train_step_.weights:
+            binding.bind_ortvalue_input(name, current[name])
+        for name, value in feeds.items():
+            if name in names and value is not None:
+                binding.bind_cpu_input(name, value)
+        binding.bind_output(session.get_outputs()[0].name)
+        session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()[0]
+
+    # -- data --------------------------------------------------------------------------------------------
+    def _validate(self, X, y, sample_weight, fit: bool):
+        dtype = self.runner_.dtype
+        X = check_features(X, self._x_shape, dtype, self.allow_nan)
+        n = X.shape[0]
+        ts = self.train_step_
+        if ts.target is None:
+            if y is not None:
+                raise DataError(f"y: the model computes its own loss ({self.loss_output!r}) and has no target "
+                                "input, got an array")
+        else:
+            y = self._encode(y, n, fit)
+        sw = check_sample_weight(sample_weight, n, dtype)
+        if sw is not None and ts.sample_weight is None:
+            raise DataError("sample_weight: the compiled loss takes no sample weight, got an array")
+        return X, y, sw
+
+    def _encode(self, y, n: int, fit: bool) -> np.ndarray:
+        """Class labels -> what the loss reads (indices, 0/1 or one-hot); regression targets as they are."""
+        if self._kind == "regression":
+            return check_target(y, n, self.runner_.dtype, self._y_shape, self.allow_nan)
+        labels = np.asarray(y)
+        if labels.ndim != 1 or labels.shape[0] != n:
+            raise DataError(f"y: expected {n} class labels shaped ({n},), got shape {labels.shape}")
+        if fit and not hasattr(self, "classes_"):
+            self.classes_ = np.unique(labels)
+            if self._kind == "binary" and len(self.classes_) > 2:
+                raise DataError(f"y: the 'log' loss is binary, expected at most 2 classes, got {len(self.classes_)}: "
+                                f"{self.classes_[:10].tolist()} (use loss='cross_entropy')")
+        index = np.searchsorted(self.classes_, labels)
+        unknown = (index >= len(self.classes_)) | (self.classes_[np.minimum(index, len(self.classes_) - 1)] != labels)
+        if unknown.any():
+            raise DataError(f"y: label {labels[unknown][0]!r} was not seen by fit (classes {self.classes_.tolist()})")
+        if self._kind == "binary":
+            return (index == len(self.classes_) - 1).astype(self.runner_.dtype) if len(self.classes_) == 2 \
+                else np.zeros(n, self.runner_.dtype)
+        if self._loss.target == "index":
+            return index.astype(np.int64)
+        width = self._y_shape[-1] if isinstance(self._y_shape[-1], int) else len(self.classes_)
+        return np.eye(width, dtype=self.runner_.dtype)[index]
+
+    # -- training ----------------------------------------------------------------------------------------
+    def fit(self, X, y=None, sample_weight=None) -> Trainer:
+        """Trains up to ``max_iter`` epochs (from the current weights with ``warm_start``); returns self."""
+        if not (self.warm_start and hasattr(self, "runner_")):
+            self._initialize()
+            self._resume()
+        self._fit(X, y, sample_weight, self.max_iter)
+        return self
+
+    def partial_fit(self, X, y=None, sample_weight=None) -> Trainer:
+        """One more epoch over (X, y) from the current weights; returns self."""
+        if not hasattr(self, "runner_"):
+            self._initialize()
+        self._fit(X, y, sample_weight, self.n_iter_ + 1, stop=False)
+        return self
+
+    def _fit(self, X, y, sample_weight, until: int, stop: bool = True) -> None:
+        if self._predictor is None:
+            self._sessions()
+        X, y, sw = self._validate(X, y, sample_weight, fit=True)
+        val = None
+        if self.early_stopping and stop:
+            X, y, sw, val = self._split(X, y, sw)
+        batch = check_batch_size(self.batch_size, X.shape[0])
+        n_batches = -(-X.shape[0] // batch)
+        bar = tqdm(total=(until - self.n_iter_) * n_batches, unit="step", disable=not self.verbose, leave=True)
+        try:
+            while self.n_iter_ < until:
+                self.train_losses_.append(self._epoch(X, y, sw, batch, bar))
+                self.n_iter_ += 1
+                if val is not None:
+                    self.validation_losses_.append(self._validation_loss(*val))
+                bar.set_postfix(epoch=self.n_iter_, loss=f"{self.train_losses_[-1]:.4g}")
+                done = stop and self._no_improvement()
+                self._save_checkpoint()
+                if done:
+                    break
+        except KeyboardInterrupt:  # NOTE: like scikit-learn's MLP: keep the last completed step, return
+            warnings.warn(f"fit interrupted at epoch {self.n_iter_ + 1}; the estimator keeps the weights of the last "
+                          f"completed step ({self.runner_.step_count})", UserWarning, stacklevel=3)
+        finally:
+            bar.close()
+            if val is not None and self._best[2] is not None:
+                self.runner_.set_weights(self._best[2])  # NOTE: scikit-learn keeps the best validation weights
+            self.trained_model_ = self.runner_.export()
+
+    def _epoch(self, X, y, sw, batch: int, bar) -> float:
+        n = X.shape[0]
+        if self.shuffle:  # NOTE: one shuffle and one gather per epoch; batches below are views of these
+            order = np.random.default_rng([self._seed, self.n_iter_]).permutation(n)
+            X = X[order]
+            y = y[order] if y is not None else None
+            sw = sw[order] if sw is not None else None
+        step, total, show = self.runner_.step, 0.0, self.verbose > 0
+        for k, start in enumerate(range(0, n, batch)):
+            stop = start + batch
+            try:
+                loss = step(X[start:stop], y[start:stop] if y is not None else None,
+                            sw[start:stop] if sw is not None else None)
+            except ConvergenceError as exc:
+                raise ConvergenceError(f"epoch {self.n_iter_ + 1}, batch {k + 1}: {exc}") from exc
+            total += loss * (min(stop, n) - start)
+            if show:
+                bar.update(1)
+        return total / n
+
+    def _split(self, X, y, sw):
+        n_val = int(np.ceil(self.validation_fraction * X.shape[0]))
+        if not 0 < self.validation_fraction < 1 or n_val >= X.shape[0]:
+            raise DataError(f"validation_fraction: expected a fraction in (0, 1) leaving training samples, got "
+                            f"{self.validation_fraction!r} for {X.shape[0]} samples")
+        order = np.random.default_rng([self._seed, 2**31]).permutation(X.shape[0])
+        val, train = order[:n_val], order[n_val:]
+        pick = lambda a, i: None if a is None else a[i]  # noqa: E731
+        return X[train], pick(y, train), pick(sw, train), (X[val], pick(y, val), pick(sw, val))
+
+    def _validation_loss(self, X, y, sw) -> float:
+        ones = np.ones(X.shape[0], self.runner_.dtype)
+        feeds = {self.train_step_.inputs[0]: X, "target": y, "sample_weight": ones if sw is None else sw}
+        return float(self._run(self._evaluator, feeds))
+
+    def _no_improvement(self) -> bool:
+        """scikit-learn's MLP rule: stop after more than n_iter_no_change epochs without a tol improvement."""
+        if self.tol is None:
+            return False
+        current = self.validation_losses_[-1] if self.validation_losses_ and self.early_stopping else self.train_losses_[-1]
+        best, count, weights = self._best
+        count = count + 1 if current > best - self.tol else 0
+        if current < best:
+            best = current
+            weights = self.runner_.get_weights() if self.early_stopping else None
+        self._best = (best, count, weights)
+        return count > self.n_iter_no_change
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        if self.checkpoint_dir is None:
+            return
+        os.makedirs(self.checkpoint_dir, exist_ok=True)
+        self.runner_.save_checkpoint(os.path.join(self.checkpoint_dir, _CHECKPOINT))
+        meta = {"steps": self.runner_.step_count, "n_iter": self.n_iter_, "seed": self._seed,
+                "train_losses": self.train_losses_, "validation_losses": self.validation_losses_,
+                "best": list(self._best[:2])}
+        tmp = os.path.join(self.checkpoint_dir, _META + ".tmp")
+        with open(tmp, "w") as f:  # NOTE: written after the arrays: it commits the checkpoint
+            json.dump(meta, f)
+        os.replace(tmp, os.path.join(self.checkpoint_dir, _META))
+
+    def _resume(self) -> None:
+        if self.checkpoint_dir is None or not os.path.exists(os.path.join(self.checkpoint_dir, _META)):
+            return
+        with open(os.path.join(self.checkpoint_dir, _META)) as f:
+            meta = json.load(f)
+        self.runner_.load_checkpoint(os.path.join(self.checkpoint_dir, _CHECKPOINT))
+        if self.runner_.step_count != meta["steps"]:
+            raise DataError(f"checkpoint_dir: {self.checkpoint_dir!r} holds weights of step {self.runner_.step_count} "
+                            f"but its {_META} says step {meta['steps']}; remove the folder to start over")
+        self.n_iter_, self._seed = meta["n_iter"], meta["seed"]
+        self.train_losses_, self.validation_losses_ = meta["train_losses"], meta["validation_losses"]
+        self._best = (*meta["best"], None)
+
+    # -- inference ---------------------------------------------------------------------------------------
+    def _raw_predict(self, X) -> np.ndarray:
+        if not hasattr(self, "runner_"):
+            raise AttributeError(f"This {type(self).__name__} is not fitted yet; call fit first")
+        if self._predictor is None:
+            self._sessions()
+        X = check_features(X, self._x_shape, self.runner_.dtype, self.allow_nan)
+        return self._run(self._predictor, {self.train_step_.inputs[0]: X})
+
+    def predict(self, X) -> np.ndarray:
+        """Predictions of the model with the current weights; class labels for classifiers."""
+        out = self._raw_predict(X)
+        if self._kind == "regression":
+            return out.ravel() if out.ndim == 2 and out.shape[1] == 1 else out
+        if self._kind == "binary":
+            score = out.reshape(out.shape[0], -1)[:, -1]
+            return self.classes_[(score > (0.0 if self._loss.fn is losses.log_logits else 0.5)).astype(int)
+                                 if len(self.classes_) == 2 else np.zeros(len(score), int)]
+        return self.classes_[out.argmax(axis=1)]
+
+    def score(self, X, y, sample_weight=None) -> float:
+        """Accuracy for classifiers, R² (averaged over outputs) for regression."""
+        pred = self.predict(X)
+        w = None if sample_weight is None else np.asarray(sample_weight, np.float64)
+        if self._kind != "regression":
+            return float(np.average(pred == np.asarray(y), weights=w))
+        t = np.asarray(y, np.float64).reshape(pred.shape)
+        mean = np.average(t, axis=0, weights=w)
+        res = np.average((t - pred) ** 2, axis=0, weights=w)
+        tot = np.average((t - mean) ** 2, axis=0, weights=w)
+        return float(np.mean(1 - res / np.where(tot == 0, 1, tot)))
+
+
+def _task(loss) -> str:
+    if loss is None or loss.name not in ("log", "cross_entropy"):
+        return "regression"
+    return "binary" if loss.name == "log" else "multiclass"
+
+
+def _seed(random_state) -> int:
+    if random_state is None:
+        return int(np.random.SeedSequence().entropy % 2**63)
+    if isinstance(random_state, np.random.RandomState):
+        return int(random_state.randint(2**31))
+    return int(random_state)
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b) if not isinstance(a, np.ndarray) else False
+    except Exception:  # noqa: BLE001  NOTE: objects whose == does not return a bool are shown
+        return False
+
+
+def _prediction_output(model: onnx.ModelProto, output: str | None, loss_output: str | None) -> str:
+    names = [o.name for o in model.graph.output if o.name != loss_output]
+    if output is not None:
+        if output not in names:
+            raise ModelError(f"output: {output!r} is not an output of the model (expected one of {names})")
+        return output
+    if len(names) != 1:
+        raise ModelError(f"output: the model has {len(names)} prediction outputs {names}; pass output= to pick one")
+    return names[0]
+
+
+def _session(model: onnx.ModelProto, outputs: list[str], weights: list[str], dtype) -> ort.InferenceSession:
+    """A session computing ``outputs`` only, with ``weights`` as overridable inputs."""
+    m = ir.serde.deserialize_model(model)
+    keep = [v for v in m.graph.outputs if v.name in outputs]
+    m.graph.outputs.clear()
+    m.graph.outputs.extend(keep)
+    passes.RemoveUnusedNodesPass()(m)
+    for value in [v for v in m.graph.inputs if not v.uses() and v.name not in weights]:
+        m.graph.inputs.remove(value)
+    for name in weights:
+        m.graph.inputs.append(m.graph.initializers[name])
+    n = sum(int(np.prod(m.graph.initializers[w].shape.numpy())) for w in weights)
+    return ort.InferenceSession(ir.to_proto(m).SerializeToString(), default_session_options(n),
+                                providers=["CPUExecutionProvider"])
