@@ -1,4 +1,4 @@
-"""Every ```python block of README.md and docs/*.md runs, page by page, so the docs cannot rot."""
+"""Every ```python block of README.md and docs/**/*.md runs, page by page, so the docs cannot rot."""
 
 import pathlib
 import re
@@ -7,10 +7,10 @@ import runpy
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_code_blocks_run(page, tmp_path, monkeypatch):
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
     # NOTE: onnxscript reads a function's source with inspect, so the blocks run from a real file.

@@ -2,13 +2,17 @@
 
 from onnxopt import dsl
 from onnxopt.errors import ConvergenceError, DataError, DslError, ModelError, NotDifferentiableError, OnnxoptError
+from onnxopt.errors import CheckpointError, ModelFormatError, ModelVersionError, WeightError
+from onnxopt.forward_backward import ForwardBackward
 from onnxopt.fuse import compile_train_step
 from onnxopt.gradient import gradient_model, train_initializers
 from onnxopt.loss_output import add_loss_output
 from onnxopt.runner import Runner
 from onnxopt.step import TrainStep
+from onnxopt.trainer import Trainer
 
 __version__ = "0.1.0"
-__all__ = ["dsl", "compile_train_step", "TrainStep", "Runner", "gradient_model", "train_initializers",
+__all__ = ["dsl", "compile_train_step", "TrainStep", "Runner", "Trainer", "ForwardBackward", "gradient_model",
+           "train_initializers",
            "add_loss_output", "OnnxoptError", "ModelError", "NotDifferentiableError", "DslError", "DataError",
-           "ConvergenceError"]
+           "ConvergenceError", "CheckpointError", "ModelFormatError", "ModelVersionError", "WeightError"]

@@ -1,72 +1,396 @@
-"""The ``onnxopt`` command line: ``onnxopt demo`` trains an MLP on synthetic data, end to end."""
+"""The ``onnxopt`` command line: demo, compile, fit, show, bench.
+
+Wrong arguments (a missing file, a bad spec, an unknown name) print one line and exit with code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import csv
+import inspect
 import os
 import sys
 import time
+from collections import Counter
+from typing import Any
 
 import numpy as np
 
+from onnxopt.errors import DataError, OnnxoptError
+
 __all__ = ["main"]
+
+SPEC_HELP = "NAME or NAME:k=v,k2=v2 (see `onnxopt compile --list`)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``onnxopt compile: error: ... (see --help)``."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Fail(Exception):
+    """A command-line mistake found by a command: printed as one line, exit code 2."""
+
+
+# -- shared option helpers --------------------------------------------------------------------------------
+def _learning_rate(text: str) -> float | str:
+    """``--lr``: a float, or a schedule spec such as ``invscaling:eta0=0.05``."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _tol(text: str) -> float | None:
+    """``--tol``: a float or ``none``."""
+    return None if text.lower() == "none" else float(text)
+
+
+_tol.__name__ = "tolerance"  # NOTE: argparse names the type in its error: "invalid tolerance value"
+
+
+def _add_training_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--loss", default="square", help=f"loss, {SPEC_HELP} (default: square)")
+    p.add_argument("--loss-output", default=None,
+                   help="the model already outputs its loss under this name (no --loss then)")
+    p.add_argument("--update", default="sgd", help=f"update rule, {SPEC_HELP} (default: sgd)")
+    p.add_argument("--penalty", default=None, help=f"penalty on every trained weight, {SPEC_HELP}")
+    p.add_argument("--lr", type=_learning_rate, default=1e-2,
+                   help="learning rate: a float or a schedule spec, e.g. invscaling:eta0=0.05 (default: 0.01)")
+    p.add_argument("--weights", default=None, help="comma-separated initializers to train (default: every weight)")
+    p.add_argument("--output", default=None, help="the model output the loss reads when there are several")
+
+
+def _training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
+
+    # NOTE: resolving here rejects a bad spec before any model is loaded.
+    loss = None if args.loss_output else resolve_loss(args.loss)
+    return dict(loss=loss, update=resolve_update(args.update), penalty=resolve_penalty(args.penalty),
+                learning_rate=resolve_schedule(args.lr),
+                weights=args.weights.split(",") if args.weights else None, output=args.output,
+                loss_output=args.loss_output)
+
+
+def _check_ext(path: str, exts: tuple[str, ...], what: str) -> str:
+    if os.path.splitext(path)[1].lower() not in exts:
+        raise _Fail(f"{what}: expected a file ending in {' or '.join(exts)}, got {path!r}")
+    return path
+
+
+def _check_exists(path: str, what: str) -> str:
+    if not os.path.isfile(path):
+        raise _Fail(f"{what}: file {path!r} does not exist")
+    return path
+
+
+# -- compile ----------------------------------------------------------------------------------------------
+def _list_registries() -> int:
+    from onnxopt.dsl import losses, penalties, schedules, updates
+
+    for title, registry in (("losses (--loss)", losses.LOSSES), ("updates (--update)", updates.UPDATES),
+                            ("penalties (--penalty)", penalties.PENALTIES),
+                            ("schedules (--lr)", schedules.SCHEDULES)):
+        print(title)
+        for name, factory in registry.items():
+            params = ", ".join(f"{p.name}={p.default!r}" for p in inspect.signature(factory).parameters.values())
+            doc = (inspect.getdoc(factory) or "").splitlines()[0]
+            print(f"  {name:<14} {params}")
+            print(f"  {'':<14} {doc}")
+    print("spec form: NAME:k=v,k2=v2, e.g. --update nesterov:momentum=0.9 --lr invscaling:eta0=0.05,power_t=0.25")
+    return 0
+
+
+def _regions(model) -> str:
+    from onnxopt.draw import _region
+
+    counts = Counter(_region(n) for n in model.graph.node)
+    return ", ".join(f"{r} {counts[r]}" for r in ("forward", "loss", "backward", "penalty", "schedule", "update",
+                                                   "other") if counts[r])
+
+
+def _compile(args: argparse.Namespace) -> int:
+    if args.list:
+        return _list_registries()
+    if args.model is None or args.out is None:
+        raise _Fail("compile: MODEL and -o STEP.onnx are required (or --list)")
+    from onnxopt import compile_train_step
+
+    kwargs = _training_kwargs(args)
+    _check_ext(args.out, (".onnx",), "-o")
+    step = compile_train_step(_check_exists(args.model, "MODEL"), **kwargs)
+    step.save(args.out)
+    print(f"wrote {args.out}: {len(step.model.graph.node)} nodes ({_regions(step.model)})")
+    print(f"inputs:  {', '.join(i.name for i in step.model.graph.input)}")
+    print(f"outputs: {', '.join(o.name for o in step.model.graph.output)}")
+    print(f"weights: {', '.join(step.weights)}")
+    return 0
+
+
+# -- fit --------------------------------------------------------------------------------------------------
+def load_data(path: str, target: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """Reads (X, y) from a .npz (arrays ``X`` and ``target`` or ``y``) or a .csv with a header row."""
+    _check_exists(path, "DATA")
+    if _check_ext(path, (".npz", ".csv"), "DATA").lower().endswith(".npz"):
+        with np.load(path) as arrays:
+            name = target or "y"
+            missing = [k for k in ("X", name) if k not in arrays.files]
+            if missing:
+                raise DataError(f"DATA: {path!r} has arrays {arrays.files}, expected 'X' and {name!r} "
+                                f"(--target names the target array)")
+            return arrays["X"], arrays[name]
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        raise DataError(f"DATA: {path!r} is empty, expected a header row then numbers")
+    header = [h.strip() for h in rows[0]]
+    if target not in header:
+        raise DataError(f"--target: expected one of the columns {header} of {path!r}, got {target!r}")
+    try:
+        table = np.array([[float(v) for v in row] for row in rows[1:] if row], dtype=np.float64)
+    except ValueError as exc:
+        raise DataError(f"DATA: {path!r} must hold numbers below its header ({exc})") from exc
+    if table.ndim != 2 or table.shape[1] != len(header):
+        raise DataError(f"DATA: {path!r}: expected {len(header)} values per row like the header")
+    col = header.index(target)
+    return np.delete(table, col, axis=1), table[:, col]
+
+
+def _fit(args: argparse.Namespace) -> int:
+    import onnx
+
+    from onnxopt import Trainer
+
+    kwargs = _training_kwargs(args)
+    _check_ext(args.out, (".onnx",), "-o")
+    _check_exists(args.model, "MODEL")
+    X, y = load_data(args.data, args.target)  # NOTE: the Trainer casts them to the model's dtype
+    if args.checkpoint and os.path.isdir(args.checkpoint) and os.listdir(args.checkpoint):
+        print(f"resuming from the checkpoint in {args.checkpoint}")
+    est = Trainer(args.model, batch_size=args.batch_size, max_iter=args.epochs, random_state=args.seed,
+                  verbose=0 if args.quiet else 1, checkpoint_dir=args.checkpoint, tol=args.tol, **kwargs)
+    t0 = time.perf_counter()
+    est.fit(X, y)
+    seconds = time.perf_counter() - t0
+    onnx.save(est.trained_model_, args.out)
+    _print_losses(est.train_losses_)
+    early = f" (stopped early: improvement below --tol {args.tol})" if est.n_iter_ < args.epochs else ""
+    print(f"trained {est.n_iter_} epochs{early} on {len(X)} samples in {seconds:.2f} s; wrote {args.out}")
+    return 0
+
+
+def _print_losses(losses, us_per_step: list[float] | None = None) -> None:
+    print(f"{'epoch':>5}  {'mean loss':>12}" + (f"  {'us/step':>8}" if us_per_step else ""))
+    for i, loss in enumerate(losses):
+        print(f"{i + 1:>5}  {loss:>12.6g}" + (f"  {us_per_step[i]:>8.1f}" if us_per_step else ""))
+
+
+# -- show -------------------------------------------------------------------------------------------------
+def _show(args: argparse.Namespace) -> int:
+    import onnx
+
+    from onnxopt.draw import FORMATS, render
+    from onnxopt.modelio import load_model
+
+    _check_ext(args.out, FORMATS, "-o")
+    # NOTE: loaded through load_model for its one-line errors; drawn from the file's own proto.
+    load_model(_check_exists(args.model, "MODEL"), "MODEL")
+    written, done = render(onnx.load(args.model), args.out, title=args.title)
+    if done:
+        print(f"wrote {written}")
+    else:
+        print(f"graphviz `dot` is not on PATH: wrote {written}; install graphviz (apt-get install graphviz, "
+              f"brew install graphviz) and run `dot -T{os.path.splitext(args.out)[1][1:]} {written} -o {args.out}`")
+    return 0
+
+
+# -- bench ------------------------------------------------------------------------------------------------
+def _bench(argv: list[str]) -> int:
+    import importlib
+
+    try:
+        bench = importlib.import_module("onnxopt.bench")
+    except ImportError as exc:
+        raise _Fail(f"bench: the benchmark suite onnxopt.bench is not available ({exc})") from exc
+    try:
+        return int(bench.main(argv) or 0)
+    except SystemExit as exc:  # NOTE: its own argparse: --help exits 0, a usage error 2
+        return int(exc.code or 0)
+
+
+# -- demo -------------------------------------------------------------------------------------------------
+def _demo_model(X: np.ndarray, y: np.ndarray, sizes: list[int], seed: int, use_sklearn: bool):
+    """The demo's MLP: scikit-learn's MLPRegressor converted with skl2onnx when both are installed."""
+    if use_sklearn:
+        try:
+            import warnings
+
+            from skl2onnx import to_onnx
+            from sklearn.neural_network import MLPRegressor
+        except ImportError:
+            pass
+        else:
+            reg = MLPRegressor(hidden_layer_sizes=tuple(sizes[1:-1]), random_state=seed)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                reg.partial_fit(X[:1], y[:1])  # NOTE: only to draw the initial weights; onnxopt trains them
+            return to_onnx(reg, X[:1], target_opset=18), "scikit-learn MLPRegressor converted by skl2onnx"
+    from onnxopt.examples import mlp
+
+    return mlp(sizes, seed=seed), "onnxopt.examples.mlp"
+
+
+def _plot(curves: dict[str, list[float]], path: str, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    for label, values in curves.items():
+        ax.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=label)
+    ax.set(xlabel="epoch", ylabel="mean training loss", yscale="log", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
 
 
 def _demo(args: argparse.Namespace) -> int:
     import onnx
-    from tqdm import tqdm
 
-    from onnxopt import Runner, compile_train_step, dsl
-    from onnxopt.examples import mlp
+    from onnxopt import Trainer, dsl
 
     rng = np.random.default_rng(args.seed)
-    X = rng.normal(size=(args.samples, args.features)).astype(np.float32)
+    n = args.samples + args.samples // 4  # NOTE: a fifth of the data is held out for the R² printed at the end
+    X_all = rng.normal(size=(n, args.features)).astype(np.float32)
     coef = rng.normal(size=args.features).astype(np.float32)
-    y = (np.tanh(X @ coef / np.sqrt(args.features)) * 3 + 0.1 * rng.normal(size=args.samples)).astype(np.float32)
-    model = mlp([args.features, 50, 10, 1], seed=args.seed)
-    step = compile_train_step(model, loss="square", update=dsl.updates.nesterov(momentum=0.9),
-                              learning_rate=dsl.schedules.invscaling(eta0=args.lr, power_t=0.25))
+    y_all = (np.tanh(X_all @ coef / np.sqrt(args.features)) * 3 + 0.1 * rng.normal(size=n)).astype(np.float32)
+    X, y = X_all[:args.samples], y_all[:args.samples]
+    model, source = _demo_model(X, y, [args.features, 50, 10, 1], args.seed, not args.no_sklearn)
+    print(f"model: {source}, {args.features}-50-10-1; data: {args.samples} samples, synthetic regression")
+    est = Trainer(model, loss="square", update=dsl.updates.nesterov(momentum=0.9),
+                  learning_rate=dsl.schedules.invscaling(eta0=args.lr, power_t=0.25), batch_size=args.batch_size,
+                  max_iter=args.epochs, random_state=args.seed, verbose=0 if args.quiet else 1)
+    t0 = time.perf_counter()
+    est.fit(X, y)
+    fit_seconds = time.perf_counter() - t0
     os.makedirs(args.out, exist_ok=True)
-    step.save(os.path.join(args.out, "train_step.onnx"))
-    runner = Runner(step)
-    rows = []
-    bar = tqdm(range(args.epochs), desc="epochs", disable=args.quiet, file=sys.stderr)
-    for epoch in bar:
-        order = rng.permutation(args.samples)
-        Xe, ye = X[order], y[order]
-        t0 = time.perf_counter()
-        losses = [runner.step(Xe[i:i + args.batch_size], ye[i:i + args.batch_size])
-                  for i in range(0, args.samples, args.batch_size)]
-        us = (time.perf_counter() - t0) / len(losses) * 1e6
-        rows.append((epoch + 1, float(np.mean(losses)), us))
-        bar.set_postfix(loss=f"{rows[-1][1]:.4f}")
-    onnx.save(runner.export(), os.path.join(args.out, "trained.onnx"))
-    print(f"{'epoch':>5}  {'mean loss':>10}  {'us/step':>8}")
-    for epoch, loss, us in rows:
-        print(f"{epoch:>5}  {loss:>10.5f}  {us:>8.1f}")
-    print(f"one session run per step: {runner.n_runs} runs for {runner.step_count} steps")
-    print(f"wrote {os.path.join(args.out, 'train_step.onnx')} and {os.path.join(args.out, 'trained.onnx')}")
+    written = [os.path.join(args.out, "train_step.onnx"), os.path.join(args.out, "trained.onnx")]
+    est.train_step_.save(written[0])
+    onnx.save(est.trained_model_, written[1])
+    # NOTE: per-step time measured on the fitted runner, one more pass over the data after training.
+    runner, times = est.runner_, []
+    for i in range(0, args.samples - args.batch_size + 1, args.batch_size):
+        t = time.perf_counter()
+        runner.step(X[i:i + args.batch_size], y[i:i + args.batch_size])
+        times.append(time.perf_counter() - t)
+    _print_losses(est.train_losses_)
+    steps = est.n_iter_ * -(-args.samples // args.batch_size)
+    print(f"fit: {fit_seconds:.2f} s for {steps} steps, compile included; "
+          f"one step: {np.median(times) * 1e6:.1f} us (median of {len(times)})")
+    if n > args.samples:
+        print(f"R² on {n - args.samples} held-out samples: {est.score(X_all[args.samples:], y_all[args.samples:]):.3f}")
+    png = os.path.join(args.out, "loss.png")
+    if _plot({"onnxopt": list(est.train_losses_)}, png, "onnxopt demo: MLP, Nesterov, invscaling"):
+        written.append(png)
+    else:
+        print("matplotlib is not installed: no loss.png (pip install 'onnxopt[demo]')")
+    print("wrote " + ", ".join(written))
     return 0
 
 
+# -- parser -----------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onnxopt", description="Compile and run fused ONNX training steps.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train an MLP 100-50-10-1 on synthetic data (no download)",
-                          epilog="example: onnxopt demo --epochs 5 --out onnxopt-demo")
-    demo.add_argument("--out", default="onnxopt-demo", help="folder for train_step.onnx and trained.onnx")
-    demo.add_argument("--epochs", type=int, default=10)
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(prog="onnxopt", formatter_class=fmt,
+                     description="Compile the training step of an ONNX model into one ONNX graph and run it.",
+                     epilog="examples:\n  onnxopt demo\n  onnxopt compile --list\n"
+                            "  onnxopt compile model.onnx --update nesterov:momentum=0.9 -o step.onnx\n"
+                            "  onnxopt fit model.onnx data.csv --target y -o trained.onnx\n"
+                            "  onnxopt show step.onnx -o step.svg\n  onnxopt bench --help")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", formatter_class=fmt, help="train an MLP on synthetic data (no download)",
+                          description="Synthetic regression, an MLP (skl2onnx-converted when installed), "
+                                      "trained with Nesterov momentum and an invscaling learning rate.",
+                          epilog="examples:\n  onnxopt demo\n  onnxopt demo --epochs 5 --out /tmp/demo --quiet")
+    demo.add_argument("--out", default="onnxopt-demo", help="folder for train_step.onnx, trained.onnx, loss.png")
+    demo.add_argument("--epochs", type=int, default=15)
     demo.add_argument("--samples", type=int, default=750)
     demo.add_argument("--features", type=int, default=100)
     demo.add_argument("--batch-size", type=int, default=15)
-    demo.add_argument("--lr", type=float, default=1e-3)
+    demo.add_argument("--lr", type=float, default=5e-3, help="eta0 of the invscaling schedule")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-sklearn", action="store_true", help="use onnxopt.examples.mlp even if skl2onnx exists")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(func=_demo)
+
+    comp = sub.add_parser("compile", formatter_class=fmt, help="compile a model's training step into STEP.onnx",
+                          description="Fuse forward, loss, backward, penalty, schedule and update into one graph.",
+                          epilog="examples:\n  onnxopt compile --list\n"
+                                 "  onnxopt compile model.onnx --loss square --update nesterov:momentum=0.9 \\\n"
+                                 "      --penalty elastic:l1=0.1,l2=0.9 --lr invscaling:eta0=0.05 -o step.onnx\n"
+                                 "  onnxopt compile with_loss.onnx --loss-output loss --update adam -o step.onnx")
+    comp.add_argument("model", nargs="?", metavar="MODEL.onnx")
+    comp.add_argument("-o", dest="out", metavar="STEP.onnx", help="where to write the fused step")
+    comp.add_argument("--list", action="store_true", help="list losses, updates, penalties, schedules and exit")
+    _add_training_options(comp)
+    comp.set_defaults(func=_compile)
+
+    fit = sub.add_parser("fit", formatter_class=fmt, help="train a model on .npz or .csv data",
+                         description="Train MODEL on DATA: a .npz with arrays X and y, or a .csv with a header "
+                                     "(every column but --target is a feature).",
+                         epilog="examples:\n  onnxopt fit model.onnx data.npz -o trained.onnx\n"
+                                "  onnxopt fit model.onnx data.csv --target price --epochs 20 --batch-size 64 \\\n"
+                                "      --update adam --lr 0.001 --checkpoint ckpt/ -o trained.onnx")
+    fit.add_argument("model", metavar="MODEL.onnx")
+    fit.add_argument("data", metavar="DATA")
+    fit.add_argument("--target", default=None, help="target column (.csv, required) or array (.npz, default y)")
+    fit.add_argument("-o", dest="out", required=True, metavar="TRAINED.onnx", help="where to write the model")
+    fit.add_argument("--epochs", type=int, default=10)
+    fit.add_argument("--batch-size", type=int, default=32)
+    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--tol", type=_tol, default=1e-4,
+                     help="stop when the loss improves by less than this for 5 epochs; 'none' runs every epoch")
+    fit.add_argument("--checkpoint", metavar="DIR", default=None,
+                     help="save a checkpoint each epoch and resume from it when present")
+    fit.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_training_options(fit)
+    fit.set_defaults(func=_fit)
+
+    show = sub.add_parser("show", formatter_class=fmt, help="draw a (fused) graph, regions coloured",
+                          description="Draw MODEL with graphviz `dot`, nodes coloured by region (forward, loss, "
+                                      "backward, penalty, schedule, update); without dot, write the .dot text.",
+                          epilog="examples:\n  onnxopt show step.onnx -o step.svg\n"
+                                 "  onnxopt show model.onnx -o model.dot")
+    show.add_argument("model", metavar="MODEL.onnx")
+    show.add_argument("-o", dest="out", required=True, metavar="OUT", help="OUT.svg, OUT.png or OUT.dot")
+    show.add_argument("--title", default=None)
+    show.set_defaults(func=_show)
+
+    sub.add_parser("bench", add_help=False, help="run the benchmark suite (`onnxopt bench --help` for its options)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``onnxopt`` console script."""
-    args = _parser().parse_args(argv)
-    return args.func(args)
+    """Entry point of the ``onnxopt`` console script; returns the exit code."""
+    parser = _parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if args.command != "bench" and extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help (0) or a usage error, already printed on one line (2)
+        return int(exc.code or 0)
+    try:
+        return _bench(extra) if args.command == "bench" else args.func(args)
+    except (_Fail, OnnxoptError, OSError, ValueError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"onnxopt {args.command}: error: {message}", file=sys.stderr)
+        return 2

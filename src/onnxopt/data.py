@@ -40,11 +40,13 @@ def as_array(value, dtype, name: str) -> np.ndarray:
     raise DataError(f"{name}: expected numbers castable to {dtype}, got dtype {arr.dtype}")
 
 
-def _check_finite(arr: np.ndarray, name: str, allow_nan: bool) -> None:
+def _check_finite(arr: np.ndarray, name: str, allow_nan: bool | None) -> None:
+    """``allow_nan=None``: always checked, and the error does not suggest ``allow_nan``."""
     if not allow_nan and arr.dtype.kind == "f" and not np.isfinite(arr).all():
         bad = np.argwhere(~np.isfinite(arr))[0]
-        raise DataError(f"{name}: expected finite values, got {arr[tuple(bad)]} at index {tuple(int(i) for i in bad)} "
-                        f"(pass allow_nan=True if the model handles them)")
+        hint = "" if allow_nan is None else " (pass allow_nan=True if the model handles them)"
+        raise DataError(f"{name}: expected finite values, got {arr[tuple(bad)]} at index {tuple(int(i) for i in bad)}"
+                        + hint)
 
 
 def check_features(X, shape: list, dtype, allow_nan: bool = False) -> np.ndarray:
@@ -89,7 +91,7 @@ def check_sample_weight(sample_weight, n: int, dtype) -> np.ndarray | None:
     arr = as_array(sample_weight, dtype, "sample_weight")
     if arr.shape != (n,):
         raise DataError(f"sample_weight: expected shape ({n},) (one per sample of X), got {arr.shape}")
-    _check_finite(arr, "sample_weight", False)
+    _check_finite(arr, "sample_weight", None)
     if (arr < 0).any():
         raise DataError(f"sample_weight: expected non-negative weights, got {arr.min()} at index {int(arr.argmin())}")
     if not arr.any():

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["OnnxoptError", "ModelError", "NotDifferentiableError", "DslError", "DataError", "ConvergenceError"]
+__all__ = ["OnnxoptError", "ModelError", "ModelFormatError", "ModelVersionError", "WeightError",
+           "NotDifferentiableError", "DslError", "DataError", "ConvergenceError", "CheckpointError"]
 
 
 class OnnxoptError(Exception):
@@ -11,6 +12,18 @@ class OnnxoptError(Exception):
 
 class ModelError(OnnxoptError, ValueError):
     """The ONNX model cannot be used as given (unknown weight, missing output, unsupported version...)."""
+
+
+class ModelFormatError(ModelError):
+    """The input is not a readable ONNX model: missing, empty, truncated or another kind of file."""
+
+
+class ModelVersionError(ModelError):
+    """The model's IR version or opset is newer than the installed onnxruntime loads and cannot be lowered."""
+
+
+class WeightError(ModelError):
+    """The weights to train are missing, unknown (``weights=`` names no initializer) or not floating point."""
 
 
 class NotDifferentiableError(ModelError):
@@ -31,3 +44,7 @@ class DataError(OnnxoptError, ValueError):
 
 class ConvergenceError(OnnxoptError, ArithmeticError):
     """The loss or the weights became NaN or infinite; the last finite weights were kept."""
+
+
+class CheckpointError(OnnxoptError, ValueError):
+    """A checkpoint file is truncated, corrupted or does not match the runner; nothing was loaded."""

@@ -17,6 +17,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as passes
 
 from onnxopt import graphs
+from onnxopt.dsl.check import check_step_functions
 from onnxopt.dsl.core import Loss, Penalty, Schedule, UpdateRule
 from onnxopt.dsl.losses import weighted_mean, weighted_sum
 from onnxopt.errors import DslError, ModelError
@@ -24,7 +25,7 @@ from onnxopt.gradient import check_weights, gradient_ir
 from onnxopt.modelio import ModelLike, load_model, runtime_limits
 from onnxopt.rules import widen_float_constants
 from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
-from onnxopt.step import NEW, STEP, TrainStep
+from onnxopt.step import GRAD, NEW, STEP, TrainStep
 
 __all__ = ["compile_train_step", "select_output", "loss_graph", "apply_loss", "target_input"]
 
@@ -121,6 +122,16 @@ def _clip(tape: ir.tape.Tape, grads: list[ir.Value], max_norm: float) -> list[ir
     return [tape.op("Mul", [g, coef]) for g in grads]
 
 
+def _external_grad(g: ir.Graph, y: ir.Value) -> ir.Value:
+    """Renames the output-gradient input ``<y>.grad``; returns the data part of the loss, zero: the caller
+    computes it (the step's ``loss`` is then the penalty alone)."""
+    grad = next(v for v in g.inputs if v.name == y.name + "_grad")
+    grad.name = y.name + GRAD
+    grad.type, grad.shape = grad.type or y.type, grad.shape or y.shape
+    zero = ir.tensor(np.array(0, dtype=y.dtype.numpy()))
+    return ir.tape.Tape(g).op("Constant", [], {"value": zero}, metadata_props={graphs.REGION: "loss"})
+
+
 def compile_train_step(
     model: ModelLike,
     loss: str | Loss | None = "square",
@@ -130,6 +141,7 @@ def compile_train_step(
     weights: Sequence[str] | None = None,
     output: str | None = None,
     loss_output: str | None = None,
+    external_grad: bool = False,
 ) -> TrainStep:
     """Compiles one training step of ``model`` into a single ONNX graph (see ``step.TrainStep`` for its names).
 
@@ -143,20 +155,27 @@ def compile_train_step(
         weights: initializers to train; None = every real weight (``train_initializers``).
         output: the output the loss reads when the model has several.
         loss_output: with ``loss=None``, the output holding the loss.
+        external_grad: with ``loss=None``, the gradient on ``output`` is an input ``<output>.grad`` given by
+            the caller; the step also outputs the prediction ``<output>`` (docs/fused_step.md).
     """
     m = load_model(model)
     inference = ir.to_proto(m)
     rule, pen, sched = resolve_update(update), resolve_penalty(penalty), resolve_schedule(learning_rate)
     loss_decl = resolve_loss(loss) if loss is not None else None
-    y = select_output(m, loss_output if loss_decl is None else output, "loss_output" if loss_decl is None else "output")
+    if external_grad and loss_decl is not None:
+        raise DslError(f"loss: external_grad=True takes the output gradient as an input; expected loss=None, "
+                       f"got {loss!r}")
+    by_output = loss_decl is not None or external_grad
+    y = select_output(m, output if by_output else loss_output, "output" if by_output else "loss_output")
     _keep_only(m, y)
     names = check_weights(m, weights)
+    check_step_functions(loss_decl, rule, pen, sched, y, [m.graph.initializers[n] for n in names], m.opset_imports[""])
     initial = {n: m.graph.initializers[n].const_value for n in names}
     for init in inference.graph.initializer:  # NOTE: trained values live in the runner, not twice on disk
         if init.name in initial:
             for field in ("raw_data", "float_data", "double_data"):
                 init.ClearField(field)
-    fused, forward = gradient_ir(m, names, (), keep_outputs=True, fill_grad=loss_decl is None)
+    fused, forward = gradient_ir(m, names, (), keep_outputs=True, fill_grad=not by_output)
     g = fused.graph
     if forward[0].type is None:  # NOTE: the builder drops the value info of outputs that feed the YieldOp
         forward[0].type, forward[0].shape = y.type or ir.TensorType(initial[names[0]].dtype), y.shape
@@ -168,7 +187,9 @@ def compile_train_step(
     g.outputs.clear()
 
     target = sample_weight = None
-    if loss_decl is None:
+    if external_grad:
+        loss_value = _external_grad(g, y)
+    elif loss_decl is None:
         loss_value = y
     else:
         target = target_input(g, loss_decl, y)
@@ -206,13 +227,16 @@ def compile_train_step(
         args = [w, gw, lr, *states] + ([t] if rule.uses_step else [])
         outputs += graphs.call(fused, rule.fn, args, rule.call_attrs(), f"update/{w.name}", 1 + len(states))
         out_names += [src.name + NEW for src in [w, *states]]
-    g.outputs.extend([loss_value, *outputs, step_next])
+    prediction = [y] if external_grad else []
+    g.outputs.extend([loss_value, *outputs, step_next, *prediction])
     for name in names:
         w_values[name].const_value = initial[name]
         g.register_initializer(w_values[name])
-    _finish(fused, ["loss", *out_names, STEP + NEW], initial[names[0]].dtype)
+    _finish(fused, ["loss", *out_names, STEP + NEW, *[v.name for v in prediction]], initial[names[0]].dtype)
     data_inputs = [v.name for v in m.graph.inputs if v.name not in m.graph.initializers]
-    if loss_decl is None:  # NOTE: a model from add_loss_output names its extra inputs target/sample_weight
+    if external_grad:
+        target_name = sw_name = None
+    elif loss_decl is None:  # NOTE: a model from add_loss_output names its extra inputs target/sample_weight
         target_name = "target" if "target" in data_inputs else None
         sw_name = "sample_weight" if "sample_weight" in data_inputs else None
         data_inputs = [n for n in data_inputs if n not in (target_name, sw_name)]
@@ -223,6 +247,7 @@ def compile_train_step(
         weights=names,
         state=[*state_names, STEP], target_kind=loss_decl.target if loss_decl else "float",
         inference=inference.SerializeToString(),
+        output_grad=y.name + GRAD if external_grad else None, prediction=y.name if external_grad else None,
     )
 
 

@@ -16,10 +16,10 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as passes
 
-from onnxopt.errors import ModelError, NotDifferentiableError
-from onnxopt.modelio import ModelLike, load_model
+from onnxopt.errors import ModelError, NotDifferentiableError, WeightError
+from onnxopt.modelio import ModelLike, check_protobuf_size, load_model
 
-__all__ = ["train_initializers", "gradient_model", "gradient_ir", "FLOAT_TYPES"]
+__all__ = ["train_initializers", "gradient_model", "gradient_ir", "FLOAT_TYPES", "agent_model", "TrainingAgent"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +74,14 @@ def check_weights(m: ir.Model, weights: Sequence[str] | None) -> list[str]:
     if weights is None:
         found = _weight_names(m)
         if not found:
-            raise ModelError("weights: the model has no float initializer to train (expected at least one)")
+            have = {n: v.dtype.name for n, v in inits.items() if v.dtype is not None}
+            raise WeightError("weights: the model has no float initializer to train (expected at least one float "
+                              f"tensor read as a weight, got initializers {have or 'none'})")
         return found
     if isinstance(weights, str):
         weights = [weights]
+    if not weights:
+        raise WeightError(f"weights: expected at least one initializer name, got {list(weights)!r}")
     out = []
     for name in weights:
         if name not in inits:
@@ -85,14 +89,15 @@ def check_weights(m: ir.Model, weights: Sequence[str] | None) -> list[str]:
 
             close = difflib.get_close_matches(name, list(inits), n=3)
             hint = f"; did you mean {close}?" if close else f"; initializers are {sorted(inits)[:20]}"
-            raise ModelError(f"weights: {name!r} is not an initializer of the model{hint}")
+            raise WeightError(f"weights: {name!r} is not an initializer of the model{hint}")
         if inits[name].dtype not in FLOAT_TYPES:
-            raise ModelError(
-                f"weights: {name!r} is not a float initializer of the model (found {inits[name].dtype})"
+            raise WeightError(
+                f"weights: {name!r} is not a float initializer of the model (expected "
+                f"{'/'.join(t.name for t in FLOAT_TYPES)}, found {getattr(inits[name].dtype, 'name', None)})"
             )
         out.append(name)
     if len(set(out)) != len(out):
-        raise ModelError(f"weights: names repeat in {list(weights)}")
+        raise WeightError(f"weights: names repeat in {list(weights)}")
     return out
 
 
@@ -166,6 +171,7 @@ def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = 
     """Runs ORT's builder on ``m``: forward, a ``com.microsoft:YieldOp``, backward; every initializer an input."""
     from onnxopt.rules import lower_for_gradient
 
+    check_protobuf_size(m, "onnxruntime-training's gradient builder")
     m = lower_for_gradient(ir.from_proto(ir.to_proto(m)))
     proto = ir.to_proto(m)
     try:
@@ -283,3 +289,72 @@ def gradient_model(
     names = check_weights(m, weights)
     grad, _ = gradient_ir(m, names, list(inputs or ()), keep_outputs, fill_grad)
     return ir.to_proto(grad)
+
+
+def agent_model(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = ()
+                ) -> tuple[onnx.ModelProto, list[int]]:
+    """The builder's graph as ``TrainingAgent`` runs it, YieldOp kept, plus the indices of the outputs that
+    take no gradient (integer labels...). Inputs: model inputs then ``weights``; outputs: ``<name>_grad``."""
+    grad = build_gradient(m, weights, inputs)
+    _restore_constants(grad.graph, m.graph, weights)
+    grad.ir_version = 10
+    node = next(n for n in grad.graph if n.op_type == "YieldOp")
+    attr = node.attributes.get("non_differentiable_outputs")
+    return ir.to_proto(grad), list(attr.as_ints()) if attr is not None else []
+
+
+class TrainingAgent:
+    """onnxruntime-training's ``TrainingAgent`` over ``agent_model``: ``forward`` runs up to the YieldOp and
+    returns a ``PartialGraphExecutionState``; ``backward`` resumes that state from the output gradients, so
+    several forwards may wait for their backwards. Values go in as OrtValues, NumPy arrays (no copy on CPU)
+    or DLPack producers (``__dlpack__``, no copy), and come out as OrtValues (``.numpy()``,
+    ``.to_dlpack()``)."""
+
+    def __init__(self, model: onnx.ModelProto, n_outputs: int, device: str = "cpu", session_options=None):
+        import onnxruntime as ort
+        from onnxruntime.capi import _pybind_state as C
+
+        self._C = C
+        providers = ["CUDAExecutionProvider"] if device == "cuda" else []
+        providers.append("CPUExecutionProvider")
+        if session_options is None:
+            session_options = ort.SessionOptions()
+            session_options.log_severity_level = 3
+        self.session = ort.InferenceSession(model.SerializeToString(), session_options, providers=providers)
+        kind = C.OrtDevice.cuda() if device == "cuda" else C.OrtDevice.cpu()
+        self.device = C.OrtDevice(kind, C.OrtDevice.default_memory(), 0)
+        feeds = [v.name for v in model.graph.input]
+        fetches = [v.name for v in model.graph.output]
+        self._agent = C.TrainingAgent(self.session._sess, feeds, [self.device] * n_outputs, fetches,
+                                      [self.device] * len(fetches), 0)
+        self._cache = C.OrtValueCache()
+
+    def ortvalue(self, value):
+        """An OrtValue over ``value``'s memory: NumPy arrays are wrapped (keep them alive), DLPack producers
+        hand their buffer over."""
+        C = self._C
+        if isinstance(value, C.OrtValue):
+            return value
+        if isinstance(value, np.ndarray):
+            return C.OrtValue.ortvalue_from_numpy(value, self.device)
+        # NOTE: from_dlpack on the object itself crashes in 1.19.2; the capsule is the supported form.
+        return C.OrtValue.from_dlpack(value.__dlpack__(), False)
+
+    def _vector(self, values):
+        vec = self._C.OrtValueVector()
+        vec.reserve(len(values))
+        for value in values:
+            vec.push_back(self.ortvalue(value))
+        return vec
+
+    def forward(self, values) -> tuple[list, object]:
+        """Runs the forward part on ``values`` (model inputs, then weights): (outputs, state for backward)."""
+        outputs, state = self._C.OrtValueVector(), self._C.PartialGraphExecutionState()
+        self._agent.run_forward(self._vector(values), outputs, state, self._cache)
+        return list(outputs), state
+
+    def backward(self, grads, state) -> list:
+        """Resumes ``state`` with the output gradients; returns the gradients in the graph's output order."""
+        outputs = self._C.OrtValueVector()
+        self._agent.run_backward(self._vector(grads), outputs, state)
+        return list(outputs)

@@ -30,13 +30,13 @@ def add_functions(model: ir.Model, fn: onnxscript.OnnxFunction) -> None:
     """Adds ``fn`` and the functions it calls to ``model``, at the model's default-domain opset."""
     for sub in _all_functions(fn):
         f = ir.serde.deserialize_function(sub.to_function_proto())
+        # NOTE: DSL functions are written at opset 18; the ops they use mean the same up to 21.
+        f.opset_imports[""] = model.opset_imports.get("", f.opset_imports.get("", 18))
         known = model.functions.get(f.identifier())
         if known is not None:
             if known.name == f.name and ir.to_proto(known) != ir.to_proto(f):
                 raise DslError(f"{f.name}: two different DSL functions share this name; rename one")
             continue
-        # NOTE: DSL functions are written at opset 18; the ops they use mean the same up to 21.
-        f.opset_imports[""] = model.opset_imports.get("", f.opset_imports.get("", 18))
         model.functions[f.identifier()] = f
 
 

@@ -8,15 +8,17 @@ inputs, and the set before them still holds the weights that gave the last finit
 from __future__ import annotations
 
 import logging
+import math
 import os
-import tempfile
 from collections.abc import Mapping
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
+from onnxruntime.capi import _pybind_state as C
 
+from onnxopt.data import as_array
 from onnxopt.errors import ConvergenceError, DataError
 from onnxopt.step import NEW, STEP, TrainStep
 
@@ -24,6 +26,8 @@ __all__ = ["Runner", "default_session_options"]
 
 logger = logging.getLogger(__name__)
 _N_SETS = 3
+_HISTORY = 1024  # NOTE: deferred losses kept on the device before an automatic sync
+_HOST = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 
 
 def default_session_options(n_parameters: int) -> ort.SessionOptions:
@@ -39,7 +43,10 @@ def default_session_options(n_parameters: int) -> ort.SessionOptions:
 
 
 class Runner:
-    """Runs ``step`` (a ``TrainStep`` or a path to one) on ``device`` ("cpu" or "cuda")."""
+    """Runs ``step`` (a ``TrainStep`` or a path to one) on ``device`` ("cpu" or "cuda").
+
+    ``session_options`` overrides ``default_session_options`` (threads, optimization level).
+    """
 
     def __init__(self, step: TrainStep | str | os.PathLike, device: str = "cpu",
                  session_options: ort.SessionOptions | None = None):
@@ -47,6 +54,8 @@ class Runner:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
         self.device = device
+        self._device = C.OrtDevice(C.OrtDevice.cuda() if device == "cuda" else C.OrtDevice.cpu(),
+                                   C.OrtDevice.default_memory(), 0)
         initial = self.train_step.initial_weights()
         self.dtype = next(iter(initial.values())).dtype
         opts = session_options or default_session_options(sum(a.size for a in initial.values()))
@@ -57,12 +66,21 @@ class Runner:
         self._sets = [self._zeros_like(initial) for _ in range(_N_SETS)]
         self.set_weights(initial, _all_sets=True)
         self._bindings = [self._bind(k) for k in range(_N_SETS)]
-        self._losses = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), self.dtype), device, 0) for _ in range(_N_SETS)]
-        for k, b in enumerate(self._bindings):
-            b.bind_ortvalue_output(self.train_step.loss, self._losses[k])
+        self._raw = [b._iobinding for b in self._bindings]  # NOTE: the C binding: no wrapper call per step
+        # NOTE: the loss is written into host arrays: reading it is a memory read, not an ORT call
+        self._loss_host = [np.zeros((), self.dtype) for _ in range(_N_SETS)]
+        self._loss_values = [C.OrtValue.ortvalue_from_numpy(a, _HOST) for a in self._loss_host]
+        for raw, value in zip(self._raw, self._loss_values):
+            raw.bind_ortvalue_output(self.train_step.loss, value)
+        self._history = ort.OrtValue.ortvalue_from_shape_and_type([_HISTORY], self.dtype, device, 0)
+        self._pending = 0  # NOTE: deferred steps whose loss sits in _history, not read yet
+        self._synced: list[np.ndarray] = []  # NOTE: losses read by automatic syncs; the next sync() returns them
+        self._snapshot: dict[str, np.ndarray] | None = None
         self._current = 0
         self._previous_valid = False
-        self._ones: dict[int, ort.OrtValue] = {}
+        self._ones: dict[int, C.OrtValue] = {}
+        self._x_name, self._y_name, self._w_name = self.train_step.inputs[0], self.train_step.target, self.train_step.sample_weight
+        self._y_dtype = np.int64 if self.train_step.target_kind == "index" else self.dtype
         self.n_runs = 0
 
     # -- buffers -----------------------------------------------------------------------------------------
@@ -85,36 +103,63 @@ class Runner:
         return binding
 
     # -- training ----------------------------------------------------------------------------------------
-    def _array(self, value, dtype) -> ort.OrtValue:
-        arr = np.ascontiguousarray(value, dtype=dtype)
-        return ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
+    def _value(self, arr, dtype, name: str) -> C.OrtValue:
+        """An OrtValue over ``arr`` (no copy on CPU for a C-contiguous array of the right dtype)."""
+        if type(arr) is not np.ndarray or arr.dtype != dtype or not arr.flags.c_contiguous:
+            arr = as_array(arr, dtype, name)
+        return C.OrtValue.ortvalue_from_numpy(arr, self._device), arr
 
-    def step(self, X, y=None, sample_weight=None) -> float:
-        """One fused run on a batch; returns the loss. Raises ConvergenceError, keeping the last good weights."""
-        ts = self.train_step
-        binding = self._bindings[self._current]
-        X = np.asarray(X)
-        binding.bind_ortvalue_input(ts.inputs[0], self._array(X, self.dtype))
-        n = X.shape[0]
-        if ts.target is not None:
+    def step(self, X, y=None, sample_weight=None, read_loss: bool = True, output_grad=None) -> float | None:
+        """One fused run on a batch; returns the loss. Raises ConvergenceError, keeping the last good weights.
+
+        With ``read_loss=False`` the loss stays on the device (no sync on CUDA) and None is returned;
+        ``sync()`` later reads every pending loss at once and checks them. ``output_grad`` feeds the
+        ``<output>.grad`` input of a step compiled with ``external_grad=True``.
+        """
+        raw = self._raw[self._current]
+        xv, X = self._value(X, self.dtype, "X")
+        raw.bind_ortvalue_input(self._x_name, xv)
+        keep = [X]  # NOTE: OrtValues over numpy memory do not own it: keep the arrays alive until the run ends
+        if self._y_name is not None:
             if y is None:
-                raise DataError(f"y: the compiled loss needs targets for {ts.target!r}, got None")
-            ydtype = np.int64 if ts.target_kind == "index" else self.dtype
-            binding.bind_ortvalue_input(ts.target, self._array(y, ydtype))
-        if ts.sample_weight is not None:
+                raise DataError(f"y: the compiled loss needs targets for {self._y_name!r}, got None")
+            yv, arr = self._value(y, self._y_dtype, "y")
+            raw.bind_ortvalue_input(self._y_name, yv)
+            keep.append(arr)
+        if self._w_name is not None:
             if sample_weight is None:  # NOTE: unweighted batches share one ones-OrtValue per batch length
-                if n not in self._ones:
-                    self._ones[n] = self._array(np.ones(n, self.dtype), self.dtype)
-                binding.bind_ortvalue_input(ts.sample_weight, self._ones[n])
+                n = X.shape[0] if X.ndim else 0
+                ones = self._ones.get(n)
+                if ones is None:
+                    ones = self._ones[n] = self._value(np.ones(n, self.dtype), self.dtype, "sample_weight")
+                raw.bind_ortvalue_input(self._w_name, ones[0])
+                keep.append(ones[1])
             else:
-                binding.bind_ortvalue_input(ts.sample_weight, self._array(sample_weight, self.dtype))
+                wv, arr = self._value(sample_weight, self.dtype, "sample_weight")
+                raw.bind_ortvalue_input(self._w_name, wv)
+                keep.append(arr)
         elif sample_weight is not None:
             raise DataError("sample_weight: the compiled loss takes no sample weight (its function has no "
                             "'sample_weight' input), got an array")
-        self.session.run_with_iobinding(binding)
+        grad_name = self.train_step.output_grad
+        if (grad_name is None) != (output_grad is None):
+            raise DataError(f"output_grad: the step takes {grad_name!r} (None: no output gradient), got "
+                            f"{'None' if output_grad is None else 'an array'}")
+        if grad_name is not None:
+            gv, arr = self._value(output_grad, self.dtype, "output_grad")
+            raw.bind_ortvalue_input(grad_name, gv)
+            keep.append(arr)
+        if not read_loss:
+            return self._deferred(raw, keep)
+        if self._pending:
+            self._synced = [self.sync()]
+        try:
+            self.session._sess.run_with_iobinding(raw, None)
+        except Exception as exc:  # NOTE: ORT's shape/type errors, turned into one naming the batch
+            raise self._data_error(keep, exc) from exc
         self.n_runs += 1
-        loss = float(self._losses[self._current].numpy())
-        if not np.isfinite(loss):
+        loss = float(self._loss_host[self._current])
+        if not math.isfinite(loss):
             failed = self.step_count + 1
             if self._previous_valid:  # NOTE: the set before the inputs holds the weights of the last finite loss
                 self._current = (self._current - 1) % _N_SETS
@@ -126,12 +171,60 @@ class Runner:
         self._previous_valid = True
         return loss
 
+    def _deferred(self, raw, keep) -> None:
+        if self._pending == _HISTORY:
+            self._synced = [self.sync()]
+        if not self._pending:
+            self._snapshot = {**self.get_weights(), **self.get_state()}
+        slot = self._history.data_ptr() + self._pending * self.dtype.itemsize
+        raw.bind_output(self.train_step.loss, self._device, self.dtype, [], slot)
+        try:
+            self.session._sess.run_with_iobinding(raw, None)
+        except Exception as exc:
+            raise self._data_error(keep, exc) from exc
+        finally:
+            raw.bind_ortvalue_output(self.train_step.loss, self._loss_values[self._current])
+        self.n_runs += 1
+        self._pending += 1
+        self._current = (self._current + 1) % _N_SETS
+        self._previous_valid = False
+        return None
+
+    def sync(self) -> np.ndarray:
+        """Reads the losses of the steps run with ``read_loss=False`` (one device read) and checks them.
+
+        Returns every such loss since the previous call, including those read by automatic syncs (every
+        1024 deferred steps, or before a step that reads its loss). On a NaN or infinite loss, the weights
+        and state go back to those of the last sync and ConvergenceError is raised.
+        """
+        losses = self._history.numpy()[: self._pending].astype(np.float64)
+        self._pending, earlier, self._synced = 0, self._synced, []
+        bad = np.flatnonzero(~np.isfinite(losses))
+        if bad.size:
+            last = self.step_count
+            self.set_weights(self._snapshot)
+            raise ConvergenceError(
+                f"loss became {losses[bad[0]]} at step {last - len(losses) + bad[0] + 1}; weights were reset to "
+                f"those of step {self.step_count} (the last synced step), see get_weights()")
+        return np.concatenate([*earlier, losses]) if earlier else losses
+
+    def _data_error(self, arrays, exc: Exception) -> Exception:
+        names = [n for n in (self._x_name, self._y_name, self._w_name, self.train_step.output_grad) if n is not None]
+        given = ", ".join(f"{n}{tuple(a.shape)} {a.dtype}" for n, a in zip(names, arrays))
+        expected = ", ".join(f"{n}{self._input_types[n].shape} {self._input_types[n].type}" for n in names)
+        return DataError(f"batch: onnxruntime refused it ({str(exc).splitlines()[0][:300]}); expected {expected}, "
+                         f"got {given}")
+
     @property
     def step_count(self) -> int:
         """Steps completed so far."""
         return int(self._sets[self._current][STEP].numpy())
 
     # -- weights -----------------------------------------------------------------------------------------
+    def current_values(self) -> dict[str, ort.OrtValue]:
+        """The OrtValues holding the current weights and state (on the device), valid until the next step."""
+        return dict(self._sets[self._current])
+
     def get_weights(self) -> dict[str, np.ndarray]:
         """Copies of the current weights."""
         cur = self._sets[self._current]
@@ -158,22 +251,21 @@ class Runner:
         self._previous_valid = False
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Writes weights, optimizer state and step count to ``path`` (.npz), atomically."""
-        path = os.fspath(path)
+        """Writes weights, optimizer state and step count to ``path``, atomically and with a SHA-256 checksum
+        (``onnxopt.checkpoint``)."""
+        from onnxopt.checkpoint import save_arrays
+
         arrays = {**self.get_weights(), **self.get_state()}
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".npz.tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
+        save_arrays(path, arrays, {"kind": "onnxopt.Runner", "step": self.step_count})
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restores what ``save_checkpoint`` wrote; training then continues bit for bit."""
-        with np.load(os.fspath(path)) as data:
-            missing = [n for n in self._carried if n not in data.files]
-            if missing:
-                raise DataError(f"checkpoint: {os.fspath(path)!r} lacks {missing}")
-            self.set_weights({n: data[n] for n in self._carried})
+        """Restores what ``save_checkpoint`` wrote; training then continues bit for bit. The file is verified
+        (checksum, names, shapes, dtypes) before any weight changes: a bad one raises CheckpointError."""
+        from onnxopt.checkpoint import load_arrays
+
+        expected = {n: (a.shape, a.dtype) for n, a in {**self.get_weights(), **self.get_state()}.items()}
+        arrays, _ = load_arrays(path, expected)
+        self.set_weights(arrays)
 
     def export(self) -> onnx.ModelProto:
         """The user's original inference model with the trained weights written into its initializers."""

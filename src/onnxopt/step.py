@@ -4,6 +4,8 @@ Naming convention of the fused graph (also in docs/fused_step.md):
 inputs  = model inputs, ``target``, ``sample_weight`` (weighted losses), each weight ``W``, each state
           ``W.<state>`` (e.g. ``W.velocity``) and the step counter ``optim.step`` (int64 scalar, steps done);
 outputs = ``loss``, then ``W.new``, ``W.<state>.new``, ``optim.step.new``.
+With ``external_grad=True`` the input ``<output>.grad`` replaces ``target``/``sample_weight`` and the
+prediction ``<output>`` is the last output.
 Weights keep the model's values as initializers (defaults), so a session can start from them.
 """
 
@@ -20,10 +22,11 @@ import onnx_ir as ir
 
 from onnxopt.errors import ModelError
 
-__all__ = ["TrainStep", "STEP", "NEW"]
+__all__ = ["TrainStep", "STEP", "NEW", "GRAD"]
 
 STEP = "optim.step"
 NEW = ".new"
+GRAD = ".grad"  # the output-gradient input of a step compiled with external_grad=True
 _KEY = "onnxopt.train_step"
 
 
@@ -40,6 +43,8 @@ class TrainStep:
     state: list[str]
     target_kind: str = "float"
     inference: bytes = b""  # the user's inference model, weights stripped (see ``Runner.export``)
+    output_grad: str | None = None  # external_grad=True: the input ``<output>.grad``
+    prediction: str | None = None  # external_grad=True: the model output the step also returns
 
     @property
     def carry(self) -> dict[str, str]:

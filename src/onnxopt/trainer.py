@@ -9,7 +9,6 @@ a run resumed from ``checkpoint_dir`` equal an uninterrupted one.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import warnings
 
@@ -22,7 +21,8 @@ from tqdm.auto import tqdm
 
 from onnxopt.data import check_batch_size, check_features, check_sample_weight, check_target
 from onnxopt.dsl import losses
-from onnxopt.errors import ConvergenceError, DataError, ModelError
+from onnxopt.checkpoint import load_arrays, save_arrays
+from onnxopt.errors import CheckpointError, ConvergenceError, DataError, ModelError
 from onnxopt.fuse import compile_train_step
 from onnxopt.loss_output import add_loss_output
 from onnxopt.resolve import resolve_loss
@@ -30,7 +30,7 @@ from onnxopt.runner import Runner, default_session_options
 
 __all__ = ["Trainer"]
 
-_CHECKPOINT, _META = "checkpoint.npz", "trainer.json"
+_CHECKPOINT, _KIND = "trainer.ckpt", "onnxopt.Trainer"
 
 
 class Trainer:
@@ -77,6 +77,17 @@ class Trainer:
         shown = [f"{k}={v!r}" for k, v in self.get_params().items()
                  if k != "model" and not _same(v, defaults.get(k))]
         return f"{type(self).__name__}({', '.join(shown)})"
+
+    def __sklearn_tags__(self):
+        """What scikit-learn >= 1.6 asks (``is_classifier``, ``check_is_fitted``, ``cross_val_score``)."""
+        from sklearn.utils import ClassifierTags, InputTags, RegressorTags, Tags, TargetTags  # NOTE: only it calls this
+
+        classifier = self.loss is not None and _task(resolve_loss(self.loss)) != "regression"
+        return Tags(estimator_type="classifier" if classifier else "regressor",
+                    target_tags=TargetTags(required=self.loss is not None),
+                    classifier_tags=ClassifierTags() if classifier else None,
+                    regressor_tags=None if classifier else RegressorTags(),
+                    input_tags=InputTags(allow_nan=bool(self.allow_nan)))
 
     # -- setup -------------------------------------------------------------------------------------------
     def _initialize(self) -> None:
@@ -153,7 +164,7 @@ class Trainer:
         index = np.searchsorted(self.classes_, labels)
         unknown = (index >= len(self.classes_)) | (self.classes_[np.minimum(index, len(self.classes_) - 1)] != labels)
         if unknown.any():
-            raise DataError(f"y: label {labels[unknown][0]!r} was not seen by fit (classes {self.classes_.tolist()})")
+            raise DataError(f"y: label {labels[unknown][:1].tolist()[0]!r} was not seen by fit (classes {self.classes_.tolist()})")
         if self._kind == "binary":
             return (index == len(self.classes_) - 1).astype(self.runner_.dtype) if len(self.classes_) == 2 \
                 else np.zeros(n, self.runner_.dtype)
@@ -164,11 +175,19 @@ class Trainer:
 
     # -- training ----------------------------------------------------------------------------------------
     def fit(self, X, y=None, sample_weight=None) -> Trainer:
-        """Trains up to ``max_iter`` epochs (from the current weights with ``warm_start``); returns self."""
-        if not (self.warm_start and hasattr(self, "runner_")):
+        """Trains up to ``max_iter`` epochs; returns self.
+
+        With ``warm_start`` and a fitted estimator, ``max_iter`` more epochs from the current weights (as
+        scikit-learn's MLP does); else from the model's weights, or from ``checkpoint_dir``'s last epoch,
+        up to ``max_iter`` epochs in all.
+        """
+        if self.warm_start and hasattr(self, "runner_"):
+            until = self.n_iter_ + self.max_iter
+        else:
             self._initialize()
             self._resume()
-        self._fit(X, y, sample_weight, self.max_iter)
+            until = self.max_iter
+        self._fit(X, y, sample_weight, until)
         return self
 
     def partial_fit(self, X, y=None, sample_weight=None) -> Trainer:
@@ -258,27 +277,25 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def _save_checkpoint(self) -> None:
+        """Weights, optimizer state and the epoch history in one file, atomic and checksummed."""
         if self.checkpoint_dir is None:
             return
         os.makedirs(self.checkpoint_dir, exist_ok=True)
-        self.runner_.save_checkpoint(os.path.join(self.checkpoint_dir, _CHECKPOINT))
-        meta = {"steps": self.runner_.step_count, "n_iter": self.n_iter_, "seed": self._seed,
+        meta = {"kind": _KIND, "steps": self.runner_.step_count, "n_iter": self.n_iter_, "seed": self._seed,
                 "train_losses": self.train_losses_, "validation_losses": self.validation_losses_,
                 "best": list(self._best[:2])}
-        tmp = os.path.join(self.checkpoint_dir, _META + ".tmp")
-        with open(tmp, "w") as f:  # NOTE: written after the arrays: it commits the checkpoint
-            json.dump(meta, f)
-        os.replace(tmp, os.path.join(self.checkpoint_dir, _META))
+        save_arrays(os.path.join(self.checkpoint_dir, _CHECKPOINT),
+                    {**self.runner_.get_weights(), **self.runner_.get_state()}, meta)
 
     def _resume(self) -> None:
-        if self.checkpoint_dir is None or not os.path.exists(os.path.join(self.checkpoint_dir, _META)):
+        path = None if self.checkpoint_dir is None else os.path.join(self.checkpoint_dir, _CHECKPOINT)
+        if path is None or not os.path.exists(path):
             return
-        with open(os.path.join(self.checkpoint_dir, _META)) as f:
-            meta = json.load(f)
-        self.runner_.load_checkpoint(os.path.join(self.checkpoint_dir, _CHECKPOINT))
-        if self.runner_.step_count != meta["steps"]:
-            raise DataError(f"checkpoint_dir: {self.checkpoint_dir!r} holds weights of step {self.runner_.step_count} "
-                            f"but its {_META} says step {meta['steps']}; remove the folder to start over")
+        current = {**self.runner_.get_weights(), **self.runner_.get_state()}
+        arrays, meta = load_arrays(path, {n: (a.shape, a.dtype) for n, a in current.items()})
+        if meta.get("kind") != _KIND:
+            raise CheckpointError(f"checkpoint_dir: {path!r} was written by {meta.get('kind')!r}, expected {_KIND!r}")
+        self.runner_.set_weights(arrays)
         self.n_iter_, self._seed = meta["n_iter"], meta["seed"]
         self.train_losses_, self.validation_losses_ = meta["train_losses"], meta["validation_losses"]
         self._best = (*meta["best"], None)

@@ -1,0 +1,98 @@
+"""``onnxopt bench``: onnxopt's fused step against PyTorch (eager, compile), ORT on-device training and
+scikit-learn, on the same data, model and initial weights, timed in rounds within one process.
+
+``main(argv)`` runs the workloads, prints progress, and writes the markdown tables and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+__all__ = ["main", "run"]
+
+DEFAULT_WORKLOADS = ["W1", "W2", "W3", "W4", "W5", "scaling"]
+COMPUTE_BOUND = ("W3", "W5")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="onnxopt bench", description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS, metavar="NAME",
+                   help="W1 (its 3 optimizers), W1-sgd, W1-nesterov, W1-adam, W2, W3, W4, W5, scaling")
+    p.add_argument("--quick", action="store_true",
+                   help="2 rounds of 1 epoch, no torch.compile: a smoke run, not a measurement")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed blocks per competitor (default 5; 2 with --quick)")
+    p.add_argument("--out-md", default="docs/benchmarks.md",
+                   help="markdown page; only the part between its bench markers is replaced")
+    p.add_argument("--img-dir", default="docs/img", help="folder for loss_curves.png and scaling.png")
+    p.add_argument("--out-json", default=None, help="also write every result (with loss curves) as JSON")
+    return p
+
+
+def run(workloads, quick: bool = False, rounds: int | None = None, log=print):
+    """Times every competitor on ``workloads``; returns (results, sgemm GFLOP/s per compute-bound workload)."""
+    from onnxopt.bench import competitors as c
+    from onnxopt.bench.report import biggest_layer
+    from onnxopt.bench.timing import run_workload, sgemm_gflops
+
+    rounds = rounds or (2 if quick else 5)
+    results, sgemm = [], {}
+    for wl in workloads:
+        if wl.name.startswith(("batch-", "width-")):
+            comps = [c.Onnxopt, c.TorchEager]
+        else:
+            comps = [x for x in c.COMPETITORS if not (quick and x is c.TorchCompile)]
+        t0 = time.perf_counter()
+        log(f"{wl.name} ({wl.title}): sizes {wl.sizes}, batch {wl.batch}, {wl.n} samples, {wl.update}")
+        res = run_workload(wl, comps, rounds, epochs=1 if quick else None, log=log)
+        if quick and c.TorchCompile in c.COMPETITORS and not wl.name.startswith(("batch-", "width-")):
+            from onnxopt.bench.timing import Result
+
+            res.insert(2, Result(wl.name, c.TorchCompile.name, skipped="--quick (compiling takes ~30 s)"))
+        results += res
+        if wl.name.startswith(COMPUTE_BOUND):
+            sgemm[wl.name] = sgemm_gflops(*biggest_layer(wl), threads=wl.threads)
+        log(f"  ({time.perf_counter() - t0:.0f} s)")
+    return results, sgemm
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``onnxopt bench`` and ``benchmarks/run.py``."""
+    from onnxopt.bench import report
+    from onnxopt.bench.workloads import select
+    from onnxopt.errors import DataError
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        workloads = select(args.workloads)
+    except DataError as exc:
+        parser.error(str(exc))
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds: expected a positive integer, got {args.rounds}")
+    t0 = time.perf_counter()
+    results, sgemm = run(workloads, quick=args.quick, rounds=args.rounds)
+    os.makedirs(args.img_dir, exist_ok=True)
+    images = {}
+    if any(not wl.name.startswith(("batch-", "width-")) for wl in workloads):
+        report.plot_losses(results, workloads, os.path.join(args.img_dir, "loss_curves.png"))
+        images["loss against step"] = "loss_curves.png"
+    if any(wl.name.startswith(("batch-", "width-")) for wl in workloads):
+        report.plot_scaling(results, workloads, os.path.join(args.img_dir, "scaling.png"))
+        images["scaling"] = "scaling.png"
+    rel = os.path.relpath(args.img_dir, os.path.dirname(os.path.abspath(args.out_md)))
+    images = {alt: os.path.join(rel, name).replace(os.sep, "/") for alt, name in images.items()}
+    rounds = args.rounds or (2 if args.quick else 5)
+    header = (f"Run of {datetime.date.today()} ({'--quick, not a measurement' if args.quick else 'full'}, "
+              f"{rounds} rounds, {time.perf_counter() - t0:.0f} s): {report.machine()}.")
+    report.write_markdown(args.out_md, report.tables(results, workloads, sgemm, images, header))
+    if args.out_json:
+        with open(args.out_json, "w", encoding="utf-8") as f:
+            json.dump({"results": [vars(r) for r in results], "sgemm": sgemm}, f)
+    print(f"wrote {args.out_md} and {len(images)} plot(s) in {args.img_dir}", file=sys.stderr)
+    return 0

@@ -1,0 +1,309 @@
+"""One small class per competitor: ``setup(workload, X, y, weights)`` then ``epoch() -> per-step losses``.
+
+Each trains the same model from the same initial weights on the same batches, with the same update rule,
+and reports how many session runs and graph nodes a step costs. A competitor whose package is missing,
+or which cannot express the workload, raises ``Skipped`` with the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+import time
+
+import numpy as np
+import onnx
+
+from onnxopt.bench.workloads import Workload
+
+__all__ = ["Skipped", "Competitor", "COMPETITORS", "ort_kernels"]
+
+
+class Skipped(Exception):
+    """The competitor cannot run this workload here; the message says why."""
+
+
+def ort_kernels(model: onnx.ModelProto | str, threads: int = 1) -> int:
+    """Nodes ORT runs for ``model`` after its graph optimizations (ORT_ENABLE_ALL): kernels per run."""
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as d:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.intra_op_num_threads = threads
+        opts.optimized_model_filepath = os.path.join(d, "optimized.onnx")
+        src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
+        ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+        return len(onnx.load(opts.optimized_model_filepath).graph.node)
+
+
+class Competitor:
+    """Common interface; ``session_runs`` and ``nodes`` per step are None where they do not apply."""
+
+    name = "?"
+    session_runs: float | None = None
+    nodes: int | None = None
+    note = ""
+
+    def setup(self, wl: Workload, X: np.ndarray, y: np.ndarray, weights: dict[str, np.ndarray]) -> None:
+        raise NotImplementedError
+
+    def epoch(self) -> list[float]:
+        raise NotImplementedError
+
+    def _batches(self, X, y, batch):
+        self.batches = [(X[i:i + batch], y[i:i + batch]) for i in range(0, len(X), batch)]
+
+
+def _rss():
+    from onnxopt.bench.timing import rss
+
+    return rss()
+
+
+class Onnxopt(Competitor):
+    """onnxopt's fused step run by ``Runner``: one session run per step."""
+
+    name = "onnxopt"
+
+    def setup(self, wl, X, y, weights):
+        import onnxopt
+
+        step = onnxopt.compile_train_step(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update),
+                                          learning_rate=wl.lr)
+        self.rss_before = _rss()  # NOTE: the runner's memory is measured from here, after compiling
+        self.runner = onnxopt.Runner(step)
+        self.nodes = ort_kernels(step.model, wl.threads)
+        # NOTE: use the runner's deferred-loss path when it has one (losses read once per epoch)
+        params = inspect.signature(self.runner.step).parameters
+        self.deferred = "read_loss" in params and hasattr(self.runner, "sync")
+        self.note = "step(read_loss=False) + sync() per epoch" if self.deferred else "step() per batch"
+        self._batches(X, y, wl.batch)
+
+    def epoch(self):
+        runner = self.runner
+        before = getattr(runner, "n_runs", None)
+        if self.deferred:
+            for xb, yb in self.batches:
+                runner.step(xb, yb, read_loss=False)
+            losses = list(runner.sync())
+        else:
+            losses = [runner.step(xb, yb) for xb, yb in self.batches]
+        if before is not None:
+            self.session_runs = (runner.n_runs - before) / len(self.batches)
+        return losses
+
+    def weights(self):
+        return self.runner.get_weights()
+
+
+def _onnxopt_update(update: str):
+    from onnxopt import dsl
+
+    return {"sgd": dsl.updates.sgd(), "nesterov": dsl.updates.nesterov(momentum=0.9),
+            "adam": dsl.updates.adam(eps=1e-8)}[update]
+
+
+class TorchEager(Competitor):
+    """PyTorch eager: nn.Sequential of Linear/ReLU, torch.optim; losses read once per epoch."""
+
+    name = "torch eager"
+    compiled = False
+
+    def setup(self, wl, X, y, weights):
+        try:
+            import torch
+        except ImportError as exc:
+            raise Skipped("torch is not installed (pip install 'onnxopt[bench]')") from exc
+        torch.set_num_threads(wl.threads)
+        self.torch = torch
+        layers = []
+        n_layers = len(wl.sizes) - 1
+        for k in range(n_layers):
+            suffix = f"_{k}" if n_layers > 1 else ""
+            lin = torch.nn.Linear(wl.sizes[k], wl.sizes[k + 1])
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(weights["coef" + suffix].T.copy()))
+                lin.bias.copy_(torch.from_numpy(weights["bias" + suffix]))
+            layers += [lin, torch.nn.ReLU()]
+        self.model = torch.nn.Sequential(*layers[:-1])
+        params = self.model.parameters()
+        self.opt = {"sgd": lambda: torch.optim.SGD(params, lr=wl.lr),
+                    "nesterov": lambda: torch.optim.SGD(params, lr=wl.lr, momentum=0.9, nesterov=True),
+                    "adam": lambda: torch.optim.Adam(params, lr=wl.lr, eps=1e-8)}[wl.update]()
+        self.loss_fn = {"regression": torch.nn.MSELoss(), "binary": torch.nn.BCEWithLogitsLoss(),
+                        "multiclass": torch.nn.CrossEntropyLoss()}[wl.task]
+        yt = torch.from_numpy(y) if wl.task == "multiclass" else torch.from_numpy(y).reshape(-1, 1)
+        self.forward = self.model
+        if self.compiled:
+            self._compile(wl, X, yt)
+        self._batches(torch.from_numpy(X), yt, wl.batch)
+        self.nodes = self._count_ops()
+
+    def _compile(self, wl, X, yt):
+        t0 = time.perf_counter()
+        try:
+            self.forward = self.torch.compile(self.model)
+            self._throwaway(lambda: self._step(self.torch.from_numpy(X[:wl.batch]), yt[:wl.batch]))
+        except Exception as exc:  # noqa: BLE001  (any backend failure means "does not work here")
+            first = (str(exc).splitlines() or [""])[0][:100]
+            raise Skipped(f"torch.compile failed: {type(exc).__name__}: {first}") from exc
+        self.note = f"compile {time.perf_counter() - t0:.0f} s (model; optimizer eager)"
+
+    def _throwaway(self, fn) -> None:
+        """Runs ``fn`` (a step), then puts weights and optimizer state back: training still starts at step 1."""
+        import copy
+
+        saved = copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict())
+        fn()
+        self.model.load_state_dict(saved[0])
+        self.opt.load_state_dict(saved[1])
+        self.opt.state.clear()
+
+    def _step(self, xb, yb):
+        self.opt.zero_grad()
+        loss = self.loss_fn(self.forward(xb), yb)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+    def _count_ops(self) -> int | None:
+        """aten ops dispatched by one step (forward, backward, update), on a throwaway step."""
+        if self.compiled:
+            return None
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Count(TorchDispatchMode):
+            n = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                Count.n += 1
+                return func(*args, **(kwargs or {}))
+
+        def counted():
+            with Count():
+                self._step(*self.batches[0])
+
+        self._throwaway(counted)
+        return Count.n
+
+    def epoch(self):
+        return self.torch.stack([self._step(xb, yb) for xb, yb in self.batches]).tolist()
+
+    def weights(self):
+        out = {}
+        linears = [m for m in self.model if isinstance(m, self.torch.nn.Linear)]
+        for k, lin in enumerate(linears):
+            suffix = f"_{k}" if len(linears) > 1 else ""
+            out["coef" + suffix] = lin.weight.detach().numpy().T.copy()
+            out["bias" + suffix] = lin.bias.detach().numpy().copy()
+        return out
+
+
+class TorchCompile(TorchEager):
+    """PyTorch with ``torch.compile`` on the model (inductor, CPU); skipped by --quick (compiling takes ~30 s)."""
+
+    name = "torch.compile"
+    compiled = True
+
+
+class OrtTraining(Competitor):
+    """ONNX Runtime on-device training: generate_artifacts + api.Module/Optimizer/CheckpointState."""
+
+    name = "ORT on-device"
+
+    def setup(self, wl, X, y, weights):
+        try:
+            import onnxruntime as ort
+            from onnxruntime.training import artifacts, onnxblock
+            from onnxruntime.training.api import CheckpointState, Module, Optimizer
+        except ImportError as exc:
+            raise Skipped(f"onnxruntime.training.api is not importable: {exc}") from exc
+        if wl.update == "nesterov":
+            raise Skipped("ORT on-device training offers SGD and AdamW only (no momentum/Nesterov)")
+        ort.set_default_logger_severity(3)
+        model = wl.model()
+        loss = {"regression": artifacts.LossType.MSELoss, "binary": artifacts.LossType.BCEWithLogitsLoss,
+                "multiclass": artifacts.LossType.CrossEntropyLoss}[wl.task]
+        optim = (artifacts.OptimType.SGD if wl.update == "sgd"
+                 else onnxblock.optim.AdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0))
+        self._dir = tempfile.TemporaryDirectory(prefix="onnxopt-bench-")
+        d = self._dir.name
+        artifacts.generate_artifacts(model, requires_grad=[i.name for i in model.graph.initializer], loss=loss,
+                                     optimizer=optim, artifact_directory=d)
+        for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
+            m = onnx.load(os.path.join(d, f))
+            m.ir_version = 10  # NOTE: onnx 1.19 writes IR 12 for the optimizer model; ORT 1.19 reads up to 10
+            onnx.save(m, os.path.join(d, f))
+        self.nodes = sum(ort_kernels(os.path.join(d, f), wl.threads) for f in ("training_model.onnx",
+                                                                                 "optimizer_model.onnx"))
+        self.state = CheckpointState.load_checkpoint(os.path.join(d, "checkpoint"))
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = wl.threads
+        opts.inter_op_num_threads = 1
+        self.module = Module(os.path.join(d, "training_model.onnx"), self.state, device="cpu",
+                             session_options=opts)
+        self.opt = Optimizer(os.path.join(d, "optimizer_model.onnx"), self.module)
+        self.opt.set_learning_rate(wl.lr)
+        self.module.train()
+        self.session_runs = 2  # NOTE: the training session, then the optimizer session
+        self.note = "AdamW(weight_decay=0), HF-style eps" if wl.update == "adam" else ""
+        self._batches(X, y if wl.task == "multiclass" else y.reshape(-1, 1), wl.batch)
+
+    def epoch(self):
+        losses = []
+        for xb, yb in self.batches:
+            losses.append(float(self.module(xb, yb)))
+            self.opt.step()
+            self.module.lazy_reset_grad()
+        return losses
+
+    def weights(self):
+        return {name: self.state.parameters[name].data.copy() for name in self.state.parameters}
+
+
+class Sklearn(Competitor):
+    """scikit-learn's MLPRegressor/MLPClassifier, one ``partial_fit`` per epoch (its own batch loop).
+
+    Its squared error is halved, so SGD gets twice the learning rate; it reports one mean loss per epoch.
+    """
+
+    name = "scikit-learn"
+
+    def setup(self, wl, X, y, weights):
+        try:
+            from sklearn.neural_network import MLPClassifier, MLPRegressor
+        except ImportError as exc:
+            raise Skipped("scikit-learn is not installed") from exc
+        from threadpoolctl import threadpool_limits
+
+        self.limits = threadpool_limits(wl.threads)
+        regression = wl.task == "regression"
+        lr = wl.lr * 2 if regression and wl.update != "adam" else wl.lr
+        cls = MLPRegressor if regression else MLPClassifier
+        self.est = cls(hidden_layer_sizes=wl.sizes[1:-1], activation="relu", alpha=0.0, batch_size=wl.batch,
+                       learning_rate_init=lr, solver="adam" if wl.update == "adam" else "sgd", shuffle=False,
+                       momentum=0.9 if wl.update == "nesterov" else 0.0,
+                       nesterovs_momentum=wl.update == "nesterov",
+                       epsilon=1e-8)
+        yy = y.astype(np.int64) if wl.task == "binary" else y
+        kwargs = {} if regression else {"classes": np.arange(max(2, wl.sizes[-1]))}
+        self.est.partial_fit(X[:wl.batch], yy[:wl.batch], **kwargs)  # NOTE: builds its state; weights reset below
+        n_layers = len(wl.sizes) - 1
+        for k in range(n_layers):
+            suffix = f"_{k}" if n_layers > 1 else ""
+            self.est.coefs_[k][...] = weights["coef" + suffix]
+            self.est.intercepts_[k][...] = weights["bias" + suffix]
+        del self.est._optimizer  # NOTE: a fresh optimizer (zero velocity/moments) on the next partial_fit
+        self.est.loss_curve_ = []
+        self.scale = 2.0 if regression else 1.0
+        self.X, self.y = X, yy
+        self.note = "one mean loss per epoch"
+
+    def epoch(self):
+        self.est.partial_fit(self.X, self.y)
+        return [self.est.loss_curve_[-1] * self.scale]
+
+
+COMPETITORS = [Onnxopt, TorchEager, TorchCompile, OrtTraining, Sklearn]

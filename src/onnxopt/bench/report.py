@@ -1,0 +1,273 @@
+"""The results as markdown tables and matplotlib PNGs (loss against step, scaling curves).
+
+``write_markdown`` replaces only the part of the page between ``BEGIN`` and ``END`` when the page has
+them, so the hand-written analysis around the tables survives a re-run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+
+import numpy as np
+
+from onnxopt.bench.timing import Result
+from onnxopt.bench.workloads import Workload
+
+__all__ = ["BEGIN", "END", "machine", "biggest_layer", "tables", "write_markdown", "plot_losses", "plot_scaling",
+           "curve_gap"]
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+REF = "onnxopt"
+# (workload prefixes, competitor, highest allowed onnxopt/competitor time ratio)
+TARGETS = [(("W1", "W2", "W4"), "ORT on-device", 0.5), (("W1", "W2", "W4"), "torch eager", 0.1),
+           (("W3", "W5"), "torch eager", 0.95)]
+MEMORY_TARGET = 2.0
+
+
+def machine() -> str:
+    """CPU model, cores and library versions, one line."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    versions = [f"Python {platform.python_version()}"]
+    for mod in ("onnxruntime", "numpy", "torch", "sklearn"):
+        try:
+            versions.append(f"{mod} {__import__(mod).__version__}")
+        except ImportError:
+            versions.append(f"{mod} missing")
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}; " + ", ".join(versions)
+
+
+def _fmt(x, spec=".1f", none="–"):
+    return none if x is None else format(x, spec)
+
+
+def curve_gap(res: Result, ref: Result) -> float | None:
+    """Largest |loss - onnxopt's loss| over the run, relative to onnxopt's largest loss (per step or epoch)."""
+    if not res.losses or not ref.losses:
+        return None
+    if res.per_epoch == ref.per_epoch:
+        a, b = np.asarray(res.losses, np.float64), np.asarray(ref.losses, np.float64)
+    else:
+        a, b = res.epoch_means(), ref.epoch_means()
+    n = min(len(a), len(b))
+    return float(np.max(np.abs(a[:n] - b[:n])) / np.max(np.abs(b[:n])))
+
+
+def _by_workload(results: list[Result]) -> dict[str, dict[str, Result]]:
+    out: dict[str, dict[str, Result]] = {}
+    for r in results:
+        out.setdefault(r.workload, {})[r.competitor] = r
+    return out
+
+
+def _main_table(groups, workloads) -> list[str]:
+    lines = ["| workload | competitor | threads | us/step | onnxopt / it | final loss | loss gap | "
+             "runs/step | kernels/step | note |", "|" + " --- |" * 10]
+    for wl in workloads:
+        row = groups.get(wl.name, {})
+        ref = row.get(REF)
+        for name, r in row.items():
+            if r.skipped:
+                lines.append(f"| {wl.name} | {name} | | skipped | | | | | | {r.skipped} |")
+                continue
+            ratio = ref.us_per_step / r.us_per_step if ref and ref.us_per_step else None
+            gap = curve_gap(r, ref) if ref and name != REF else None
+            lines.append(f"| {wl.name} | {name} | {wl.threads} | {r.us_per_step:.1f} | {_fmt(ratio, '.2f')} | "
+                         f"{r.final_loss:.5g} | {_fmt(gap, '.1e')} | {_fmt(r.session_runs, 'g')} | "
+                         f"{_fmt(r.nodes, 'd')} | {r.note} |")
+    return lines
+
+
+def _targets(groups, memory) -> list[str]:
+    lines = ["| workload | target (onnxopt time / competitor time) | measured | holds |",
+             "| --- | --- | --- | --- |"]
+    for prefixes, comp, limit in TARGETS:
+        for name, row in groups.items():
+            if not name.startswith(prefixes) or comp not in row or REF not in row:
+                continue
+            r, ref = row[comp], row[REF]
+            if r.skipped or ref.skipped:
+                lines.append(f"| {name} | ≤ {limit} × {comp} | {comp} skipped | – |")
+                continue
+            ratio = ref.us_per_step / r.us_per_step
+            lines.append(f"| {name} | ≤ {limit} × {comp} | {ratio:.2f} | {'yes' if ratio <= limit else 'no'} |")
+    for name, (measured, expected) in memory.items():
+        if measured is not None:
+            ratio = measured / expected
+            lines.append(f"| {name} | runner RSS ≤ {MEMORY_TARGET} × (weights + state + activations) | "
+                         f"{ratio:.1f} | {'yes' if ratio <= MEMORY_TARGET else 'no'} |")
+    return lines
+
+
+def _state_floats(wl: Workload) -> int:
+    return {"sgd": 0, "nesterov": 1, "adam": 2}[wl.update] * wl.n_parameters
+
+
+def _memory(groups, workloads) -> tuple[dict, list[str]]:
+    """Rows for every workload; the target is judged where tensors (not ORT's fixed cost) dominate."""
+    lines = ["| workload | weights + state + activations (MB) | runner RSS growth (MB) | ratio |",
+             "| --- | --- | --- | --- |"]
+    memory = {}
+    for wl in workloads:
+        ref = groups.get(wl.name, {}).get(REF)
+        if ref is None or ref.skipped or ref.rss_mb is None:
+            continue
+        expected = (wl.n_parameters + _state_floats(wl) + wl.activations) * 4 / 2**20
+        if wl.n_parameters >= 100_000:  # NOTE: below ~0.5 MB of tensors the growth is ORT's fixed session cost
+            memory[wl.name] = (ref.rss_mb, expected)
+        lines.append(f"| {wl.name} | {expected:.2f} | {ref.rss_mb:.1f} | {ref.rss_mb / expected:.1f} |")
+    return memory, lines
+
+
+def _gflops(groups, workloads, sgemm) -> list[str]:
+    lines = ["| workload | competitor | GFLOP/s | share of sgemm |", "| --- | --- | --- | --- |"]
+    for wl in workloads:
+        if wl.name not in sgemm:
+            continue
+        peak = sgemm[wl.name]
+        lines.append(f"| {wl.name} | numpy sgemm {_layer(wl)} | {peak:.1f} | 1.00 |")
+        for name, r in groups.get(wl.name, {}).items():
+            if not r.skipped:
+                g = wl.flops / r.us_per_step / 1e3
+                lines.append(f"| {wl.name} | {name} | {g:.1f} | {g / peak:.2f} |")
+    return lines
+
+
+def _layer(wl: Workload) -> str:
+    m, k, n = biggest_layer(wl)
+    return f"({m}×{k})·({k}×{n})"
+
+
+def biggest_layer(wl: Workload) -> tuple[int, int, int]:
+    """(batch, fan in, fan out) of the layer with the most weights."""
+    k = max(range(len(wl.sizes) - 1), key=lambda i: wl.sizes[i] * wl.sizes[i + 1])
+    return wl.batch, wl.sizes[k], wl.sizes[k + 1]
+
+
+def _scaling(groups, workloads) -> list[str]:
+    rows = [wl for wl in workloads if wl.name.startswith(("batch-", "width-"))]
+    if not rows:
+        return []
+    lines = ["| point | sizes | batch | onnxopt us/step | torch eager us/step | onnxopt / torch |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for wl in rows:
+        row = groups.get(wl.name, {})
+        o, t = row.get(REF), row.get("torch eager")
+        ou = o.us_per_step if o and not o.skipped else None
+        tu = t.us_per_step if t and not t.skipped else None
+        ratio = ou / tu if ou and tu else None
+        lines.append(f"| {wl.name} | {'-'.join(map(str, wl.sizes))} | {wl.batch} | {_fmt(ou)} | {_fmt(tu)} | "
+                     f"{_fmt(ratio, '.2f')} |")
+    return lines
+
+
+def tables(results: list[Result], workloads: list[Workload], sgemm: dict[str, float], images: dict[str, str],
+           header: str) -> str:
+    """The generated part of the page."""
+    groups = _by_workload(results)
+    main = [wl for wl in workloads if not wl.name.startswith(("batch-", "width-"))]
+    memory, mem_lines = _memory(groups, main)
+    out = [header, "", "`onnxopt / it`: onnxopt's time per step divided by the competitor's (below 1: onnxopt "
+           "is faster). `loss gap`: largest difference from onnxopt's loss over the run (per step, or per "
+           "epoch for scikit-learn), relative to onnxopt's largest loss. `kernels/step`: ORT nodes after its "
+           "graph optimizations (both sessions for ORT on-device), aten ops dispatched for torch eager.", "",
+           *_main_table(groups, main), ""]
+    out += ["Targets, as ratios within this run:", "", *_targets(groups, memory), ""]
+    if sgemm:
+        out += ["Achieved GFLOP/s (2·multiply-adds of forward and backward per step / time) against a numpy "
+                "float32 matmul of the biggest layer, same threads, same run:", "",
+                *_gflops(groups, main, sgemm), ""]
+    if len(mem_lines) > 2:
+        out += ["onnxopt runner memory: psutil RSS growth from `Runner(step)` to the end of the first epoch, "
+                "against float32 weights + optimizer state + activations (batch, and every layer before and "
+                "after ReLU):", "", *mem_lines, ""]
+    scaling = _scaling(groups, workloads)
+    if scaling:
+        out += ["Scaling (W1 with SGD, onnxopt and PyTorch eager):", "", *scaling, ""]
+    out += [f"![{alt}]({path})" for alt, path in images.items()]
+    return "\n".join(out) + "\n"
+
+
+def write_markdown(path: str, body: str, title: str = "# Benchmarks") -> None:
+    """Puts ``body`` between the markers of the page at ``path`` (a new page when it has none)."""
+    block = f"{BEGIN}\n{body}{END}\n"
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    if BEGIN in text and END in text:
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END) + "\n?", lambda _: block, text, flags=re.S)
+    else:
+        text = f"{title}\n\n{block}"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_losses(results: list[Result], workloads: list[Workload], path: str) -> None:
+    """Mean loss of each epoch against step, one panel per workload, one line per competitor."""
+    plt = _pyplot()
+    groups = _by_workload(results)
+    main = [wl for wl in workloads if wl.name in groups and not wl.name.startswith(("batch-", "width-"))]
+    cols = min(3, len(main))
+    rows = -(-len(main) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows), squeeze=False)
+    styles = [dict(lw=4, alpha=0.35), dict(lw=1.2, ls="--"), dict(lw=1, ls=":"), dict(lw=1, marker="x", ms=4),
+              dict(lw=0.8, marker="o", ms=2, ls="-.")]
+    for ax, wl in zip(axes.flat, main):
+        for style, (name, r) in zip(styles, groups[wl.name].items()):
+            if r.skipped:
+                continue
+            means = r.epoch_means()  # NOTE: per-step losses are batch noise; epoch means show agreement
+            ax.plot((np.arange(len(means)) + 1) * wl.steps, means, label=name, **style)
+        ax.set_title(f"{wl.name}: {wl.title}", fontsize=9)
+        ax.set_yscale("log")
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(main):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_scaling(results: list[Result], workloads: list[Workload], path: str) -> None:
+    """µs/step against batch size and against hidden width (log-log), onnxopt and PyTorch eager."""
+    plt = _pyplot()
+    groups = _by_workload(results)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, prefix, xlabel in ((axes[0], "batch-", "batch size (W1 100-50-10-1)"),
+                               (axes[1], "width-", "hidden width w (100-w-w/5-1, batch 15)")):
+        pts = [wl for wl in workloads if wl.name.startswith(prefix)]
+        for comp in (REF, "torch eager"):
+            xs, ys = [], []
+            for wl in pts:
+                r = groups.get(wl.name, {}).get(comp)
+                if r and not r.skipped:
+                    xs.append(int(wl.name[len(prefix):]))
+                    ys.append(r.us_per_step)
+            if xs:
+                ax.plot(xs, ys, marker="o", label=comp)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel("µs / step", fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+

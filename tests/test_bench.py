@@ -1,0 +1,75 @@
+"""The benchmark suite: a --quick run writes its page and plot, and competitors train on equal work.
+
+W2 (linear regression, 10 steps an epoch) is run by ``onnxopt.bench.main``; the loss curves it records
+for onnxopt and PyTorch eager (same initial weights, same batches, SGD) must agree step by step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from onnxopt.bench import main
+from onnxopt.bench.report import BEGIN, END, write_markdown
+from onnxopt.bench.workloads import WORKLOADS, select
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    md = out / "docs" / "benchmarks.md"
+    md.parent.mkdir()
+    md.write_text(f"# Benchmarks\n\nhand-written analysis\n\n{BEGIN}\nold table\n{END}\nmore prose\n")
+    assert main(["--quick", "--workloads", "W2", "--out-md", str(md), "--img-dir", str(out / "docs" / "img"),
+                 "--out-json", str(out / "results.json")]) == 0
+    results = json.loads((out / "results.json").read_text())["results"]
+    return md, out / "docs" / "img", {r["competitor"]: r for r in results}
+
+
+def test_quick_run_writes_page_and_plot(quick_run):
+    md, img, results = quick_run
+    text = md.read_text()
+    assert "hand-written analysis" in text and "more prose" in text and "old table" not in text
+    assert "| W2 | onnxopt | 1 |" in text
+    assert "](img/loss_curves.png)" in text
+    png = (img / "loss_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 150_000
+    onnxopt = results["onnxopt"]
+    assert onnxopt["session_runs"] == 1
+    # 1 setup epoch + 2 rounds x (1 warm-up + 1 timed) epochs of 10 steps
+    assert len(onnxopt["losses"]) == 5 * WORKLOADS["W2"].steps
+    assert onnxopt["losses"][-1] < onnxopt["losses"][0] / 2
+
+
+def test_loss_curves_agree_with_torch(quick_run):
+    pytest.importorskip("torch")
+    _, _, results = quick_run
+    ours, theirs = (np.array(results[name]["losses"]) for name in ("onnxopt", "torch eager"))
+    assert ours.shape == theirs.shape
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6)
+
+
+def test_ort_training_and_sklearn_agree(quick_run):
+    _, _, results = quick_run
+    ours = np.array(results["onnxopt"]["losses"])
+    for name in ("ORT on-device", "scikit-learn"):
+        if results[name]["skipped"]:
+            continue
+        theirs = np.array(results[name]["losses"])
+        ref = ours if len(theirs) == len(ours) else ours.reshape(len(theirs), -1).mean(axis=1)
+        np.testing.assert_allclose(theirs, ref, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_markdown_without_markers_is_a_new_page(tmp_path):
+    path = tmp_path / "b.md"
+    write_markdown(str(path), "table\n")
+    assert path.read_text() == f"# Benchmarks\n\n{BEGIN}\ntable\n{END}\n"
+
+
+def test_select_names_workloads():
+    assert [w.name for w in select(["W1"])] == ["W1-sgd", "W1-nesterov", "W1-adam"]
+    assert {w.name for w in select(["scaling"])} >= {"batch-1", "batch-4096", "width-16", "width-2048"}
+    with pytest.raises(SystemExit):
+        main(["--workloads", "W9"])

@@ -1,0 +1,188 @@
+"""The command line, run in-process: every command, its --help, and one-line errors with exit code 2."""
+
+import csv
+import shutil
+import subprocess
+import sys
+import types
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import onnxopt
+from onnxopt.cli import main
+from onnxopt.examples import linear_regression
+
+COEF = np.array([3.0, -2.0])
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    """A linear-regression model and its data as .csv and .npz, in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    onnx.save(linear_regression(2), "model.onnx")
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(200, 2))
+    y = X @ COEF + 1.0
+    with open("data.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["a", "b", "price"])
+        writer.writerows(np.column_stack([X, y]).tolist())
+    np.savez("data.npz", X=X, y=y)
+    return tmp_path
+
+
+def _predict(path, X):
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"X": X.astype(np.float32)})[0].ravel()
+
+
+def test_compile_list(capsys):
+    assert main(["compile", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in [*onnxopt.dsl.losses.LOSSES, *onnxopt.dsl.updates.UPDATES, *onnxopt.dsl.penalties.PENALTIES,
+                 *onnxopt.dsl.schedules.SCHEDULES]:
+        assert f"\n  {name} " in out
+    assert "momentum=0.9" in out and "power_t=0.25" in out
+
+
+def test_compile_writes_the_requested_step(files, capsys):
+    argv = ["compile", "model.onnx", "--loss", "huber:delta=0.5", "--update", "nesterov:momentum=0.8",
+            "--penalty", "elastic:l1=0.1,l2=0.9", "--lr", "invscaling:eta0=0.05", "--weights", "coef", "-o", "s.onnx"]
+    assert main(argv) == 0
+    step = onnxopt.TrainStep.load("s.onnx")
+    assert step.weights == ["coef"]
+    assert "coef.velocity" in step.state
+    assert "wrote s.onnx" in capsys.readouterr().out
+    # the same step from the Python API has the same graph
+    same = onnxopt.compile_train_step(linear_regression(2), loss=onnxopt.dsl.losses.huber(delta=0.5),
+                                      update=onnxopt.dsl.updates.nesterov(momentum=0.8),
+                                      penalty=onnxopt.dsl.penalties.elastic(l1=0.1, l2=0.9),
+                                      learning_rate=onnxopt.dsl.schedules.invscaling(eta0=0.05), weights=["coef"])
+    assert [n.op_type for n in step.model.graph.node] == [n.op_type for n in same.model.graph.node]
+
+
+def test_compile_float_lr_and_loss_output(files):
+    with_loss = onnxopt.add_loss_output(linear_regression(2))
+    onnx.save(with_loss, "with_loss.onnx")
+    assert main(["compile", "with_loss.onnx", "--loss-output", "loss", "--lr", "0.1", "-o", "s.onnx"]) == 0
+    assert onnxopt.TrainStep.load("s.onnx").target == "target"
+
+
+@pytest.mark.parametrize("data", ["data.csv", "data.npz"])
+def test_fit_learns_and_resumes_from_checkpoint(files, capsys, data):
+    base = ["fit", "model.onnx", data, "--lr", "0.05", "--quiet", "-o", "trained.onnx", "--checkpoint", "ckpt",
+            "--tol", "none"]
+    if data.endswith(".csv"):
+        base += ["--target", "price"]
+    assert main([*base, "--epochs", "2"]) == 0
+    first = capsys.readouterr().out
+    assert "resuming" not in first and "trained 2 epochs" in first
+    assert main([*base, "--epochs", "20"]) == 0
+    second = capsys.readouterr().out
+    assert "resuming from the checkpoint in ckpt" in second and "trained 20 epochs" in second
+    rows = [line.split() for line in second.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(1, 21))  # the resumed run keeps the first epochs' losses
+    assert float(rows[-1][1]) < float(rows[0][1]) / 100
+    X = np.random.default_rng(1).normal(size=(10, 2))
+    np.testing.assert_allclose(_predict("trained.onnx", X), X @ COEF + 1.0, atol=0.05)
+
+
+def test_show_dot_svg_and_no_graphviz(files, capsys, monkeypatch):
+    assert main(["compile", "model.onnx", "-o", "s.onnx"]) == 0
+    assert main(["show", "s.onnx", "-o", "s.dot", "--title", "linear regression"]) == 0
+    text = open("s.dot").read()
+    assert text.startswith("digraph") and "linear regression" in text
+    for region in ("forward", "loss", "backward", "schedule", "update"):
+        assert f'"legend:{region}"' in text
+    assert '"in:X"' in text and '"out:coef.new"' in text
+    if shutil.which("dot"):
+        assert main(["show", "s.onnx", "-o", "s.svg"]) == 0
+        assert "<svg" in open("s.svg").read()
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    capsys.readouterr()
+    assert main(["show", "s.onnx", "-o", "nodot.png"]) == 0
+    out = capsys.readouterr().out
+    assert "not on PATH" in out and "nodot.dot" in out and len(out.strip().splitlines()) == 1
+    assert open("nodot.dot").read() == text.replace("  labelloc=t; label=\"linear regression\"; fontname=Helvetica;\n", "")
+
+
+@pytest.mark.parametrize("minimal", [True, False], ids=["no-sklearn-no-matplotlib", "skl2onnx-matplotlib"])
+def test_demo_writes_its_files(tmp_path, capsys, monkeypatch, minimal):
+    if minimal:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+    else:
+        pytest.importorskip("skl2onnx")
+        pytest.importorskip("matplotlib")
+    out = tmp_path / "demo"
+    argv = ["demo", "--out", str(out), "--epochs", "3", "--samples", "60", "--features", "4", "--quiet"]
+    assert main(argv + (["--no-sklearn"] if minimal else [])) == 0
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 2, 3]
+    assert "us (median" in text and "held-out" in text
+    assert ("matplotlib is not installed" in text) == minimal and ("skl2onnx" in text) != minimal
+    assert (out / "loss.png").exists() != minimal
+    step = onnxopt.TrainStep.load(out / "train_step.onnx")
+    trained = onnx.load(out / "trained.onnx")
+    assert sorted(onnxopt.train_initializers(trained)) == sorted(step.weights)
+
+
+def test_bench_forwards_its_arguments(monkeypatch):
+    seen = []
+    fake = types.ModuleType("onnxopt.bench")
+    fake.main = lambda argv=None: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "onnxopt.bench", fake)
+    assert main(["bench", "--quick", "--out", "x"]) == 0
+    assert seen == [["--quick", "--out", "x"]]
+
+
+def test_bench_missing_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "onnxopt.bench", None)
+    assert main(["bench"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["demo", "compile", "fit", "show"])
+def test_help_has_examples(command, capsys):
+    assert main([command, "--help"]) == 0
+    assert "examples:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["compile", "missing.onnx", "-o", "s.onnx"],
+    ["compile", "model.onnx", "--loss", "nope", "-o", "s.onnx"],
+    ["compile", "model.onnx", "--update", "nesterov:momentum", "-o", "s.onnx"],
+    ["compile", "model.onnx", "--update", "nesterov:beta=1", "-o", "s.onnx"],
+    ["compile", "model.onnx", "--update", "nesterov:momentum=2", "-o", "s.onnx"],
+    ["compile", "model.onnx", "--lr", "cosine:warmup=5000", "-o", "s.onnx"],
+    ["compile", "model.onnx", "--weights", "nope", "-o", "s.onnx"],
+    ["compile", "model.onnx", "-o", "s.txt"],
+    ["compile", "model.onnx"],
+    ["compile", "data.csv", "-o", "s.onnx"],
+    ["fit", "model.onnx", "data.csv", "-o", "t.onnx"],
+    ["fit", "model.onnx", "data.csv", "--target", "nope", "-o", "t.onnx"],
+    ["fit", "model.onnx", "data.npz", "--target", "nope", "-o", "t.onnx"],
+    ["fit", "model.onnx", "data.txt", "-o", "t.onnx"],
+    ["fit", "model.onnx", "missing.csv", "--target", "price", "-o", "t.onnx"],
+    ["fit", "model.onnx", "data.csv", "--target", "price", "--batch-size", "0", "-o", "t.onnx"],
+    ["fit", "model.onnx", "data.csv", "--target", "price", "--epochs", "x", "-o", "t.onnx"],
+    ["fit", "model.onnx", "data.csv", "--target", "price", "--tol", "low", "-o", "t.onnx"],
+    ["show", "model.onnx", "-o", "x.jpg"],
+    ["show", "missing.onnx", "-o", "x.svg"],
+    ["show", "model.onnx"],
+    ["frobnicate"],
+    ["compile", "model.onnx", "-o", "s.onnx", "--unknown"],
+])
+def test_wrong_arguments_exit_2_with_one_line(files, capsys, argv):
+    open("data.txt", "w").write("1 2 3\n")
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "error" in captured.err and "Traceback" not in captured.err
+
+
+def test_python_dash_m_help():
+    done = subprocess.run([sys.executable, "-m", "onnxopt", "--help"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "compile" in done.stdout and "examples:" in done.stdout
