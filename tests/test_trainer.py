@@ -74,6 +74,21 @@ def test_get_set_params_clone_and_repr(data):
     np.testing.assert_array_equal(copy.fit(X, y).train_losses_, est.train_losses_)  # same params, same run
 
 
+def test_pickled_estimator_predicts_and_trains_on_like_the_original(data):
+    import pickle
+
+    X, y = data
+    labels = np.where(y > 0, "pos", "neg")
+    est = _trainer(model=mlp([4, 8, 2]), loss="cross_entropy", update="adam", warm_start=True).fit(X, labels)
+    copy = pickle.loads(pickle.dumps(est))
+    np.testing.assert_array_equal(copy.predict(X), est.predict(X))
+    assert list(copy.classes_) == ["neg", "pos"] and copy.train_losses_ == est.train_losses_
+    copy.fit(X, labels)
+    est.fit(X, labels)  # the optimizer state travelled too: both continue identically
+    assert copy.train_losses_ == est.train_losses_ and copy.n_iter_ == 6
+    _assert_same_weights(copy.runner_.get_weights(), est.runner_.get_weights())
+
+
 def test_scikit_learn_tools_see_a_regressor_or_a_classifier(data):
     from sklearn.base import is_classifier, is_regressor
     from sklearn.model_selection import cross_val_score
@@ -291,37 +306,45 @@ def test_verbose_zero_prints_nothing_and_one_shows_a_progress_bar(data, capsys):
 
 
 # -- 7. data errors ----------------------------------------------------------------------------------------
-def _bad(X, y):
-    nan_x, inf_y = X.copy(), y.copy()
-    nan_x[3, 2], inf_y[5] = np.nan, np.inf
-    return [
-        ("features", {"X": X[:, :3]}, r"X: expected 4 values on axis 1 .*got shape \(64, 3\)"),
-        ("one column", {"X": X[:, 0]}, r"X: expected 2 dimensions .*got shape \(64,\).*reshape"),
-        ("target rows", {"y": y[:10]}, r"y: expected 64 rows .*got shape \(10,\)"),
-        ("target columns", {"y": np.c_[y, y]}, r"y: expected shape \[64, 1\] .*got \(64, 2\)"),
-        ("nan in X", {"X": nan_x}, r"X: expected finite values, got nan at index \(3, 2\)"),
-        ("inf in y", {"y": inf_y}, r"y: expected finite values, got inf at index \(5,\)"),
-        ("empty", {"X": X[:0], "y": y[:0]}, r"X: expected at least one sample, got shape \(0, 4\)"),
-        ("weight length", {"sample_weight": np.ones(3)}, r"sample_weight: expected shape \(64,\) .*got \(3,\)"),
-        ("negative weight", {"sample_weight": -np.ones(64)}, r"sample_weight: expected non-negative .*got -1"),
-        ("nan weight", {"sample_weight": np.full(64, np.nan)},
-         r"sample_weight: expected finite values, got nan at index \(0,\)$"),  # no allow_nan hint: it does not apply
-        ("strings", {"X": X.astype(str)}, r"X: expected numbers castable to float32, got dtype <U"),
-        ("objects", {"X": np.full((64, 4), "a", dtype=object)}, r"X: expected numbers, got dtype object"),
-        ("lossy cast", {"X": np.full((64, 4), 2**24 + 1)}, r"X: expected float32 values, got int64 values that "
-                                                          "change when cast"),
-        ("no target", {"y": None}, r"y: the loss needs targets, got None"),
-    ]
+def _set(a, index, value):
+    a = a.copy()
+    a[index] = value
+    return a
 
 
-@pytest.mark.parametrize("case", range(14))
-def test_bad_data_is_a_data_error_naming_the_input(data, case):
+BAD_DATA = [  # id, change of (X, y, sample_weight), expected message
+    ("features", lambda X, y: {"X": X[:, :3]}, r"X: expected 4 values on axis 1 .*got shape \(64, 3\)"),
+    ("one-column", lambda X, y: {"X": X[:, 0]}, r"X: expected 2 dimensions .*got shape \(64,\).*reshape"),
+    ("target-rows", lambda X, y: {"y": y[:10]}, r"y: expected 64 rows .*got shape \(10,\)"),
+    ("target-columns", lambda X, y: {"y": np.c_[y, y]}, r"y: expected shape \[64, 1\] .*got \(64, 2\)"),
+    ("nan-in-X", lambda X, y: {"X": _set(X, (3, 2), np.nan)},
+     r"X: expected finite values, got nan at index \(3, 2\) \(pass allow_nan=True"),
+    ("inf-in-y", lambda X, y: {"y": _set(y, 5, np.inf)}, r"y: expected finite values, got inf at index \(5,\)"),
+    ("empty", lambda X, y: {"X": X[:0], "y": y[:0]}, r"X: expected at least one sample, got shape \(0, 4\)"),
+    ("weight-length", lambda X, y: {"sample_weight": np.ones(3)},
+     r"sample_weight: expected shape \(64,\) .*got \(3,\)"),
+    ("negative-weight", lambda X, y: {"sample_weight": -np.ones(64)},
+     r"sample_weight: expected non-negative weights, got -1"),
+    ("zero-weights", lambda X, y: {"sample_weight": np.zeros(64)},
+     r"sample_weight: expected at least one positive weight, got all zeros"),
+    ("nan-weight", lambda X, y: {"sample_weight": np.full(64, np.nan)},
+     r"sample_weight: expected finite values, got nan at index \(0,\)$"),  # no allow_nan hint: it does not apply
+    ("strings", lambda X, y: {"X": X.astype(str)}, r"X: expected numbers castable to float32, got dtype <U"),
+    ("objects", lambda X, y: {"X": np.full((64, 4), "a", dtype=object)}, r"X: expected numbers, got dtype object"),
+    ("lossy-cast", lambda X, y: {"X": np.full((64, 4), 2**24 + 1)},
+     r"X: expected float32 values, got int64 values that change when cast"),
+    ("no-target", lambda X, y: {"y": None}, r"y: the loss needs targets, got None"),
+]
+
+
+@pytest.mark.parametrize("change, message", [pytest.param(c, m, id=i) for i, c, m in BAD_DATA])
+def test_bad_data_is_a_data_error_naming_the_input(data, change, message):
     X, y = data
-    name, change, message = _bad(X, y)[case]
-    args = {"X": X, "y": y, "sample_weight": None, **change}
+    args = {"X": X, "y": y, "sample_weight": None, **change(X, y)}
     est = _trainer()
     with pytest.raises(onnxopt.DataError, match=message):
         est.fit(args["X"], args["y"], sample_weight=args["sample_weight"])
+    assert not hasattr(est, "trained_model_") and est.n_iter_ == 0  # refused before any step
 
 
 def test_lossless_casts_and_allow_nan(data):
@@ -364,6 +387,22 @@ def test_classifier_label_errors(data):
         est.partial_fit(X, np.r_[labels[:-1], ["zero"]])
     with pytest.raises(onnxopt.DataError, match=r"y: expected 64 class labels shaped \(64,\), got shape \(64, 2\)"):
         est.partial_fit(X, np.c_[labels, labels])
+
+
+def test_partial_fit_classes_lists_labels_the_first_batch_lacks(data):
+    X, y = data
+    labels = np.array(["a", "b", "c"])[np.digitize(y, [-1.0, 1.0])]
+    first = labels != "c"
+    est = _trainer(model=mlp([4, 8, 3]), loss="cross_entropy")
+    est.partial_fit(X[first], labels[first], classes=["a", "b", "c"])
+    est.partial_fit(X, labels)  # "c" is known although the first batch had none
+    assert list(est.classes_) == ["a", "b", "c"] and est.n_iter_ == 2
+    with pytest.raises(onnxopt.DataError, match="y: label 'a' was not seen by fit"):
+        _trainer(model=mlp([4, 8, 3]), loss="cross_entropy").partial_fit(X, labels, classes=["b", "c"])
+    binary = _trainer(model=linear_regression(4), loss="log")
+    with pytest.raises(onnxopt.DataError, match="classes: the 'log' loss is binary, expected at most 2 classes, got 3"):
+        binary.partial_fit(X, labels, classes=["a", "b", "c"])
+    assert not hasattr(binary, "classes_")
 
 
 # -- 8. KeyboardInterrupt ----------------------------------------------------------------------------------

@@ -89,6 +89,22 @@ class Trainer:
                     regressor_tags=None if classifier else RegressorTags(),
                     input_tags=InputTags(allow_nan=bool(self.allow_nan)))
 
+    def __getstate__(self) -> dict:
+        """Parameters, fitted attributes and the weights and optimizer state as NumPy, without sessions."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("runner_", "_predictor", "_evaluator", "_loss")}
+        if hasattr(self, "runner_"):
+            state["_arrays"] = {**self.runner_.get_weights(), **self.runner_.get_state()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        arrays = state.pop("_arrays", None)
+        self.__dict__.update(state)
+        if arrays is not None:  # NOTE: sessions are rebuilt from the pickled TrainStep; weights continue bit for bit
+            self.runner_ = Runner(self.train_step_, device=self.device)
+            self.runner_.set_weights(arrays)
+            self._loss = resolve_loss(self.loss) if self.loss is not None else None
+            self._predictor = self._evaluator = None
+
     # -- setup -------------------------------------------------------------------------------------------
     def _initialize(self) -> None:
         self.train_step_ = compile_train_step(
@@ -157,10 +173,7 @@ class Trainer:
         if labels.ndim != 1 or labels.shape[0] != n:
             raise DataError(f"y: expected {n} class labels shaped ({n},), got shape {labels.shape}")
         if fit and not hasattr(self, "classes_"):
-            self.classes_ = np.unique(labels)
-            if self._kind == "binary" and len(self.classes_) > 2:
-                raise DataError(f"y: the 'log' loss is binary, expected at most 2 classes, got {len(self.classes_)}: "
-                                f"{self.classes_[:10].tolist()} (use loss='cross_entropy')")
+            self._set_classes(labels, "y")
         index = np.searchsorted(self.classes_, labels)
         unknown = (index >= len(self.classes_)) | (self.classes_[np.minimum(index, len(self.classes_) - 1)] != labels)
         if unknown.any():
@@ -172,6 +185,13 @@ class Trainer:
             return index.astype(np.int64)
         width = self._y_shape[-1] if isinstance(self._y_shape[-1], int) else len(self.classes_)
         return np.eye(width, dtype=self.runner_.dtype)[index]
+
+    def _set_classes(self, labels: np.ndarray, name: str) -> None:
+        classes = np.unique(labels)
+        if self._kind == "binary" and len(classes) > 2:
+            raise DataError(f"{name}: the 'log' loss is binary, expected at most 2 classes, got {len(classes)}: "
+                            f"{classes[:10].tolist()} (use loss='cross_entropy')")
+        self.classes_ = classes
 
     # -- training ----------------------------------------------------------------------------------------
     def fit(self, X, y=None, sample_weight=None) -> Trainer:
@@ -190,10 +210,15 @@ class Trainer:
         self._fit(X, y, sample_weight, until)
         return self
 
-    def partial_fit(self, X, y=None, sample_weight=None) -> Trainer:
-        """One more epoch over (X, y) from the current weights; returns self."""
+    def partial_fit(self, X, y=None, sample_weight=None, classes=None) -> Trainer:
+        """One more epoch over (X, y) from the current weights; returns self.
+
+        ``classes`` (classifiers, first call) lists every label later calls may bring, as in scikit-learn.
+        """
         if not hasattr(self, "runner_"):
             self._initialize()
+        if classes is not None and self._kind != "regression" and not hasattr(self, "classes_"):
+            self._set_classes(np.asarray(classes), "classes")
         self._fit(X, y, sample_weight, self.n_iter_ + 1, stop=False)
         return self
 

@@ -125,7 +125,7 @@ class TorchEager(Competitor):
             lin = torch.nn.Linear(wl.sizes[k], wl.sizes[k + 1])
             with torch.no_grad():
                 lin.weight.copy_(torch.from_numpy(weights["coef" + suffix].T.copy()))
-                lin.bias.copy_(torch.from_numpy(weights["bias" + suffix]))
+                lin.bias.copy_(torch.from_numpy(np.array(weights["bias" + suffix])))
             layers += [lin, torch.nn.ReLU()]
         self.model = torch.nn.Sequential(*layers[:-1])
         params = self.model.parameters()

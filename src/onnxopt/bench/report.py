@@ -119,9 +119,11 @@ def _memory(groups, workloads) -> tuple[dict, list[str]]:
         if ref is None or ref.skipped or ref.rss_mb is None:
             continue
         expected = (wl.n_parameters + _state_floats(wl) + wl.activations) * 4 / 2**20
+        ratio = "– (tensors below the allocator's granularity)"
         if wl.n_parameters >= 100_000:  # NOTE: below ~0.5 MB of tensors the growth is ORT's fixed session cost
             memory[wl.name] = (ref.rss_mb, expected)
-        lines.append(f"| {wl.name} | {expected:.2f} | {ref.rss_mb:.1f} | {ref.rss_mb / expected:.1f} |")
+            ratio = f"{ref.rss_mb / expected:.1f}"
+        lines.append(f"| {wl.name} | {expected:.2f} | {ref.rss_mb:.1f} | {ratio} |")
     return memory, lines
 
 
