@@ -75,6 +75,43 @@ def huber_per_sample(y, t, delta: float = 1.0):
 
 
 @script(DOMAIN)
+def flat_residual(y, t):
+    """y - t as (N, K), the form ``elementwise`` functions read."""
+    y2 = op.Reshape(y, op.Constant(value_ints=[0, -1]))
+    return op.Sub(y2, op.Reshape(op.CastLike(t, y), op.Shape(y2)))
+
+
+@script(DOMAIN)
+def square_elementwise(d, c):
+    e = op.Mul(d, c)
+    return op.ReduceSum(op.Mul(e, d), keepdims=0), op.Add(e, e)
+
+
+@script(DOMAIN)
+def absolute_elementwise(d, c):
+    return op.ReduceSum(op.Mul(op.Abs(d), c), keepdims=0), op.Mul(op.Sign(d), c)
+
+
+@script(DOMAIN)
+def elastic_elementwise(d, c, l1: float = 0.5, l2: float = 0.5):
+    a, b = op.CastLike(l1, d), op.CastLike(l2, d)
+    e = op.Add(op.Mul(a, op.Abs(d)), op.Mul(b, op.Mul(d, d)))
+    g = op.Add(op.Mul(a, op.Sign(d)), op.Mul(op.Add(b, b), d))
+    return op.ReduceSum(op.Mul(e, c), keepdims=0), op.Mul(g, c)
+
+
+@script(DOMAIN)
+def huber_elementwise(d, c, delta: float = 1.0):
+    a = op.Abs(d)
+    dl = op.CastLike(delta, d)
+    half = op.CastLike(0.5, d)
+    inside = op.LessOrEqual(a, dl)
+    e = op.Where(inside, op.Mul(half, op.Mul(d, d)), op.Mul(dl, op.Sub(a, op.Mul(half, dl))))
+    g = op.Where(inside, d, op.Mul(dl, op.Sign(d)))
+    return op.ReduceSum(op.Mul(e, c), keepdims=0), op.Mul(g, c)
+
+
+@script(DOMAIN)
 def _last_column(y):
     """The positive-class column: y itself for (N, 1) or (N,), column 1 for (N, 2) probabilities."""
     y2 = op.Reshape(y, op.Concat(op.Shape(y, end=1), op.Constant(value_ints=[-1]), axis=0))
@@ -145,26 +182,30 @@ def _reduction(name: str, reduction: str) -> str:
 
 def square(reduction: str = "mean") -> Loss:
     """Squared error (y - t)²: mean over every element (torch's MSELoss) or their ``sum``."""
-    fn = square_mean if _reduction("square", reduction) == "mean" else square_sum
-    return Loss("square", fn, reduction=reduction)
+    mean = _reduction("square", reduction) == "mean"
+    return Loss("square", square_mean if mean else square_sum, reduction=reduction,
+                elementwise=square_elementwise, per_output="mean" if mean else "sum")
 
 
 def absolute(reduction: str = "mean") -> Loss:
     """Absolute error |y - t| (torch's L1Loss)."""
-    fn = absolute_mean if _reduction("absolute", reduction) == "mean" else absolute_sum
-    return Loss("absolute", fn, reduction=reduction)
+    mean = _reduction("absolute", reduction) == "mean"
+    return Loss("absolute", absolute_mean if mean else absolute_sum, reduction=reduction,
+                elementwise=absolute_elementwise, per_output="mean" if mean else "sum")
 
 
 def elastic(l1: float = 0.5, l2: float = 0.5, reduction: str = "mean") -> Loss:
     """l1·|y - t| + l2·(y - t)²."""
-    return Loss("elastic", elastic_per_sample, reduction=_reduction("elastic", reduction))(l1=l1, l2=l2)
+    return Loss("elastic", elastic_per_sample, reduction=_reduction("elastic", reduction),
+                elementwise=elastic_elementwise)(l1=l1, l2=l2)
 
 
 def huber(delta: float = 1.0, reduction: str = "mean") -> Loss:
     """Huber loss with threshold ``delta`` (torch's HuberLoss)."""
     if not delta > 0:
         raise DslError(f"huber: delta must be > 0, got {delta!r}")
-    return Loss("huber", huber_per_sample, reduction=_reduction("huber", reduction))(delta=delta)
+    return Loss("huber", huber_per_sample, reduction=_reduction("huber", reduction),
+                elementwise=huber_elementwise)(delta=delta)
 
 
 def log(from_logits: bool = True, eps: float = 1e-7, reduction: str = "mean") -> Loss:
