@@ -19,7 +19,7 @@ import onnx_ir.passes.common as passes
 from onnxopt import graphs
 from onnxopt.dsl.check import check_step_functions
 from onnxopt.dsl.core import Loss, Penalty, Schedule, UpdateRule
-from onnxopt.dsl.losses import flat_residual, weighted_mean, weighted_sum
+from onnxopt.dsl.losses import flat_pair, weighted_mean, weighted_sum
 from onnxopt.errors import DslError, ModelError
 from onnxopt.gradient import check_weights, gradient_ir
 from onnxopt.modelio import ModelLike, load_model, runtime_limits
@@ -86,8 +86,9 @@ def loss_graph(loss: Loss, y: ir.Value, opset: int) -> ir.Model:
 def _loss_and_grad(model: ir.Model, loss: Loss, y: ir.Value, t: ir.Value, sw: ir.Value | None):
     """Adds the loss of ``y`` and its gradient dloss/dy to ``model``; derived by ORT unless ``loss.grad``."""
     ins = [y, t] + ([sw] if sw is not None else [])
-    if loss.elementwise is not None and loss.grad is None and sw is not None:
-        return _elementwise_loss(model, loss, y, t, sw)
+    fast = _elementwise_loss(model, loss, y, t, sw) if sw is not None else None
+    if fast is not None:
+        return fast
     if loss.grad is not None:
         if loss.reduction is not None:
             raise DslError(f"loss {loss.name}: a hand-written grad needs a loss returning the scalar itself")
@@ -99,19 +100,21 @@ def _loss_and_grad(model: ir.Model, loss: Loss, y: ir.Value, t: ir.Value, sw: ir
     return outs["loss"], outs["y_grad"]
 
 
-def _elementwise_loss(model: ir.Model, loss: Loss, y: ir.Value, t: ir.Value, sw: ir.Value):
-    """Loss and dloss/dy of a residual loss from its ``elementwise`` form: c_ik = s_i (/Σs) (/K)."""
-    d = graphs.call(model, flat_residual, [y, t], {}, "loss/residual")[0]
+def _elementwise_loss(model: ir.Model, loss: Loss, y: ir.Value, t: ir.Value, sw: ir.Value) -> tuple | None:
+    """Loss and dloss/dy from the loss's ``elementwise`` form, c_ik = s_i (/Σs) (/K); None if it does not apply."""
+    k = y.shape[-1] if y.shape is not None and len(y.shape) == 2 else (1 if y.shape is not None and len(y.shape) == 1 else None)
+    if loss.elementwise is None or loss.grad is not None or (loss.per_output == "one" and k != 1):
+        return None
+    y2, t2 = graphs.call(model, flat_pair, [y, t], {}, "loss/flat", 2)
     tape = _RegionTape(model.graph, "loss")
     w = tape.op("Reshape", [sw, tape.op("Constant", [], {"value": ir.tensor(np.array([-1, 1], np.int64))})])
     if loss.reduction == "mean":
         w = tape.op("Div", [w, tape.op("ReduceSum", [w], {"keepdims": 0})])
-    k = y.shape[-1] if y.shape is not None and len(y.shape) == 2 else None
     if loss.per_output == "mean" and k != 1:  # NOTE: K known at compile time folds to a constant
-        k_value = tape.op("CastLike", [tape.op("Shape", [d], {"start": 1, "end": 2}), d]) if not isinstance(k, int) \
+        k_value = tape.op("CastLike", [tape.op("Shape", [y2], {"start": 1, "end": 2}), y2]) if not isinstance(k, int) \
             else tape.op("Constant", [], {"value": ir.tensor(np.array(k, y.dtype.numpy()))})
         w = tape.op("Div", [w, k_value])
-    value, grad = graphs.call(model, loss.elementwise, [d, w], loss.call_attrs(), "loss", 2)
+    value, grad = graphs.call(model, loss.elementwise, [y2, t2, w], loss.call_attrs(), "loss", 2)
     return value, tape.op("Reshape", [grad, tape.op("Shape", [y])])
 
 

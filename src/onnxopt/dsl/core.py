@@ -94,11 +94,11 @@ class Loss(_Decl):
     grad: _Fn | None = None
     reduction: str | None = None
     target: str = "float"
-    # NOTE: a residual loss may also give ``elementwise(d, c) -> (Σ c·f(d), c·f'(d))`` over the residual
-    # d = y - t as (N, K) and per-element weights c: the fuser then emits loss and gradient in ~10 nodes
-    # where the builder's derivation of ``fn`` + reduction takes ~25 (one ORT kernel each, every step).
+    # NOTE: a loss may also give ``elementwise(y, t, c) -> (Σ c·f(y, t), c·∂f/∂y)`` over y and t as (N, K)
+    # and per-element weights c: the fuser then emits loss and gradient in ~10 nodes where the builder's
+    # derivation of ``fn`` + reduction takes ~25 (one ORT kernel each, every step).
     elementwise: _Fn | None = None
-    per_output: str = "mean"  # how ``fn`` aggregates the K outputs of a sample: "mean" or "sum"
+    per_output: str = "mean"  # how ``fn`` treats a sample's K outputs: "mean", "sum", "one" (needs K = 1)
 
     @property
     def weighted(self) -> bool:

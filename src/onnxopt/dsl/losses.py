@@ -75,25 +75,28 @@ def huber_per_sample(y, t, delta: float = 1.0):
 
 
 @script(DOMAIN)
-def flat_residual(y, t):
-    """y - t as (N, K), the form ``elementwise`` functions read."""
+def flat_pair(y, t):
+    """y as (N, K) and t shaped like it: the form ``elementwise`` functions read."""
     y2 = op.Reshape(y, op.Constant(value_ints=[0, -1]))
-    return op.Sub(y2, op.Reshape(op.CastLike(t, y), op.Shape(y2)))
+    return y2, op.Reshape(op.CastLike(t, y), op.Shape(y2))
 
 
 @script(DOMAIN)
-def square_elementwise(d, c):
+def square_elementwise(y, t, c):
+    d = op.Sub(y, t)
     e = op.Mul(d, c)
     return op.ReduceSum(op.Mul(e, d), keepdims=0), op.Add(e, e)
 
 
 @script(DOMAIN)
-def absolute_elementwise(d, c):
+def absolute_elementwise(y, t, c):
+    d = op.Sub(y, t)
     return op.ReduceSum(op.Mul(op.Abs(d), c), keepdims=0), op.Mul(op.Sign(d), c)
 
 
 @script(DOMAIN)
-def elastic_elementwise(d, c, l1: float = 0.5, l2: float = 0.5):
+def elastic_elementwise(y, t, c, l1: float = 0.5, l2: float = 0.5):
+    d = op.Sub(y, t)
     a, b = op.CastLike(l1, d), op.CastLike(l2, d)
     e = op.Add(op.Mul(a, op.Abs(d)), op.Mul(b, op.Mul(d, d)))
     g = op.Add(op.Mul(a, op.Sign(d)), op.Mul(op.Add(b, b), d))
@@ -101,7 +104,8 @@ def elastic_elementwise(d, c, l1: float = 0.5, l2: float = 0.5):
 
 
 @script(DOMAIN)
-def huber_elementwise(d, c, delta: float = 1.0):
+def huber_elementwise(y, t, c, delta: float = 1.0):
+    d = op.Sub(y, t)
     a = op.Abs(d)
     dl = op.CastLike(delta, d)
     half = op.CastLike(0.5, d)
@@ -127,6 +131,15 @@ def log_logits(y, t):
     zero = op.CastLike(0.0, s)
     one = op.CastLike(1.0, s)
     return op.Add(op.Sub(op.Max(s, zero), op.Mul(s, tt)), op.Log(op.Add(one, op.Exp(op.Neg(op.Abs(s))))))
+
+
+@script(DOMAIN)
+def log_logits_elementwise(y, t, c):
+    """``log_logits`` and its gradient sigmoid(s) - t, for one score per sample."""
+    zero = op.CastLike(0.0, y)
+    one = op.CastLike(1.0, y)
+    e = op.Add(op.Sub(op.Max(y, zero), op.Mul(y, t)), op.Log(op.Add(one, op.Exp(op.Neg(op.Abs(y))))))
+    return op.ReduceSum(op.Mul(e, c), keepdims=0), op.Mul(op.Sub(op.Sigmoid(y), t), c)
 
 
 @script(DOMAIN)
@@ -212,7 +225,7 @@ def log(from_logits: bool = True, eps: float = 1e-7, reduction: str = "mean") ->
     """Binary log loss, targets in {0, 1}: on a raw score (``from_logits``) or on a probability."""
     _reduction("log", reduction)
     if from_logits:
-        return Loss("log", log_logits, reduction=reduction)
+        return Loss("log", log_logits, reduction=reduction, elementwise=log_logits_elementwise, per_output="one")
     return Loss("log", log_proba, reduction=reduction)(eps=eps)
 
 
