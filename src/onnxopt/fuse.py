@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as passes
+from onnxscript.optimizer import constant_folding
 
 from onnxopt import graphs
 from onnxopt.dsl.check import check_step_functions
@@ -290,6 +291,22 @@ def _finish(model: ir.Model, output_names: list[str], dtype: ir.DataType) -> Non
         value.name = name
     widen_float_constants(model, dtype)
     graphs.tag(model.graph, "backward")
+    # NOTE: onnxscript's constant folding and CSE fold the DSL's CastLike'd constants and merge repeated
+    # subexpressions, which onnxruntime leaves as kernels: Adam's step drops from ~210 to ~110 kernels. Warnings about
+    # weights it cannot deduplicate (they are graph inputs, on purpose) are noise here.
+    dedup_log = logging.getLogger("onnx_ir.passes.common.initializer_deduplication")
+    level = dedup_log.level
+    dedup_log.setLevel(logging.ERROR)
+    try:  # NOTE: not onnxscript.optimizer.optimize: its rewrite rules drop ``x + 1e-8`` as ``x + 0``
+        ir.passes.Sequential(
+            constant_folding.FoldConstantsPass(shape_inference=True, input_size_limit=8192, output_size_limit=8192),
+            passes.RemoveUnusedNodesPass(),
+            passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+            passes.DeduplicateInitializersPass(),
+            passes.CommonSubexpressionEliminationPass(),
+        )(model)
+    finally:
+        dedup_log.setLevel(level)
     for p in (passes.RemoveUnusedNodesPass(), passes.RemoveUnusedFunctionsPass(), passes.RemoveUnusedOpsetsPass(),
               passes.TopologicalSortPass()):
         p(model)
