@@ -4,7 +4,7 @@ Compares onnxopt's fused step with ORT on-device training on one benchmark workl
 "What bounds it" section of docs/benchmarks.md come from this script.
 
     python benchmarks/profile_step.py W1-sgd [--steps 300]
-    python benchmarks/profile_step.py W5 --memory onnxopt     # RSS growth of one competitor, fresh process
+    python -m onnxopt.bench.memory W5 onnxopt                 # RSS growth of one competitor, fresh process
 """
 
 from __future__ import annotations
@@ -117,31 +117,14 @@ def profile_python(wl, X, y, epochs: int) -> None:
             print(f"    {fn[-60:]:60s} {calls / steps:5.2f} calls  {own / steps * 1e6:6.1f} us own")
 
 
-def memory(wl, X, y, name: str) -> None:
-    """RSS growth from a competitor's setup (onnxopt: from ``Runner(step)``) to the end of its first epoch."""
-    from onnxopt.bench.competitors import COMPETITORS
-    from onnxopt.bench.timing import rss
-
-    comp = next(c for c in COMPETITORS if c.name == name)()
-    before = rss()
-    comp.setup(wl, X, y, {k: v.copy() for k, v in onnxopt.train_initializers(wl.model()).items()})
-    before = getattr(comp, "rss_before", before)
-    comp.epoch()
-    print(f"{wl.name}: {name}: RSS growth {rss() - before:.1f} MB; float32 weights {wl.n_parameters * 4 / 2**20:.2f} MB, "
-          f"activations {wl.activations * 4 / 2**20:.2f} MB")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload", choices=sorted(WORKLOADS))
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--memory", metavar="COMPETITOR", help="only measure this competitor's memory")
     args = parser.parse_args()
     ort.set_default_logger_severity(3)
     wl = WORKLOADS[args.workload]
     X, y = wl.data()
-    if args.memory:
-        return memory(wl, X, y, args.memory)
     with tempfile.TemporaryDirectory() as folder:
         profile_fused(wl, X, y, args.steps, folder)
         if wl.update != "nesterov":

@@ -29,6 +29,7 @@ def quick_run(tmp_path_factory):
 
 
 def test_quick_run_writes_page_and_plot(quick_run):
+    pytest.importorskip("matplotlib")
     md, img, results = quick_run
     text = md.read_text()
     assert "hand-written analysis" in text and "more prose" in text and "old table" not in text
@@ -73,3 +74,13 @@ def test_select_names_workloads():
     assert {w.name for w in select(["scaling"])} >= {"batch-1", "batch-4096", "width-16", "width-2048"}
     with pytest.raises(SystemExit):
         main(["--workloads", "W9"])
+
+
+def test_memory_in_a_fresh_process_and_sgemm_references():
+    from onnxopt.bench.memory import fresh_rss
+    from onnxopt.bench.timing import sgemm_gflops
+
+    assert isinstance(fresh_rss("W2", "onnxopt"), float)
+    assert fresh_rss("W2", "no such competitor") is None
+    refs = sgemm_gflops(32, 64, 64, threads=1, repeat=3)
+    assert set(refs) == {"numpy matmul", "ORT MatMul (MLAS)"} and min(refs.values()) > 0

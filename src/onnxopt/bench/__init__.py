@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import sys
@@ -20,7 +21,9 @@ COMPUTE_BOUND = ("W3", "W5")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="onnxopt bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="onnxopt bench", description=(
+        "Time onnxopt's fused training step against PyTorch (eager, torch.compile), ORT on-device training "
+        "and scikit-learn on the same data, model and initial weights; write a markdown page and PNG plots."))
     p.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS, metavar="NAME",
                    help="W1 (its 3 optimizers), W1-sgd, W1-nesterov, W1-adam, W2, W3, W4, W5, scaling")
     p.add_argument("--quick", action="store_true",
@@ -35,13 +38,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(workloads, quick: bool = False, rounds: int | None = None, log=print):
-    """Times every competitor on ``workloads``; returns (results, sgemm GFLOP/s per compute-bound workload)."""
+    """Times every competitor on ``workloads``.
+
+    Returns the results, sgemm GFLOP/s per compute-bound workload and, unless ``quick``, the fresh-process
+    memory (MB) of onnxopt, ORT on-device and torch eager on the compute-bound workloads.
+    """
     from onnxopt.bench import competitors as c
-    from onnxopt.bench.report import biggest_layer
+    from onnxopt.bench.memory import fresh_rss
+    from onnxopt.bench.report import MEMORY_COMPETITORS, biggest_layer
     from onnxopt.bench.timing import run_workload, sgemm_gflops
 
     rounds = rounds or (2 if quick else 5)
-    results, sgemm = [], {}
+    results, sgemm, memory = [], {}, {}
     for wl in workloads:
         if wl.name.startswith(("batch-", "width-")):
             comps = [c.Onnxopt, c.TorchEager]
@@ -57,8 +65,15 @@ def run(workloads, quick: bool = False, rounds: int | None = None, log=print):
         results += res
         if wl.name.startswith(COMPUTE_BOUND):
             sgemm[wl.name] = sgemm_gflops(*biggest_layer(wl), threads=wl.threads)
+            if not quick:
+                memory[wl.name] = {c: _median([fresh_rss(wl.name, c) for _ in range(3)]) for c in MEMORY_COMPETITORS}
         log(f"  ({time.perf_counter() - t0:.0f} s)")
-    return results, sgemm
+    return results, sgemm, memory
+
+
+def _median(values):
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,13 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds: expected a positive integer, got {args.rounds}")
     t0 = time.perf_counter()
-    results, sgemm = run(workloads, quick=args.quick, rounds=args.rounds)
+    results, sgemm, memory = run(workloads, quick=args.quick, rounds=args.rounds)
     os.makedirs(args.img_dir, exist_ok=True)
     images = {}
-    if any(not wl.name.startswith(("batch-", "width-")) for wl in workloads):
+    workloads_to_plot = workloads
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed: no plots (pip install 'onnxopt[bench]')", file=sys.stderr)
+        workloads_to_plot = []
+    if any(not wl.name.startswith(("batch-", "width-")) for wl in workloads_to_plot):
         report.plot_losses(results, workloads, os.path.join(args.img_dir, "loss_curves.png"))
         images["loss against step"] = "loss_curves.png"
-    if any(wl.name.startswith(("batch-", "width-")) for wl in workloads):
+    if any(wl.name.startswith(("batch-", "width-")) for wl in workloads_to_plot):
         report.plot_scaling(results, workloads, os.path.join(args.img_dir, "scaling.png"))
         images["scaling"] = "scaling.png"
     rel = os.path.relpath(args.img_dir, os.path.dirname(os.path.abspath(args.out_md)))
@@ -90,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (2 if args.quick else 5)
     header = (f"Run of {datetime.date.today()} ({'--quick, not a measurement' if args.quick else 'full'}, "
               f"{rounds} rounds, {time.perf_counter() - t0:.0f} s): {report.machine()}.")
-    report.write_markdown(args.out_md, report.tables(results, workloads, sgemm, images, header))
+    report.write_markdown(args.out_md, report.tables(results, workloads, sgemm, memory, images, header))
     if args.out_json:
         with open(args.out_json, "w", encoding="utf-8") as f:
-            json.dump({"results": [vars(r) for r in results], "sgemm": sgemm}, f)
+            json.dump({"results": [vars(r) for r in results], "sgemm": sgemm, "memory": memory}, f)
     print(f"wrote {args.out_md} and {len(images)} plot(s) in {args.img_dir}", file=sys.stderr)
     return 0

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import onnx
 
+from onnxopt.bench.memory import rss
 from onnxopt.bench.workloads import Workload
 
 __all__ = ["Skipped", "Competitor", "COMPETITORS", "ort_kernels"]
@@ -56,12 +57,6 @@ class Competitor:
         self.batches = [(X[i:i + batch], y[i:i + batch]) for i in range(0, len(X), batch)]
 
 
-def _rss():
-    from onnxopt.bench.timing import rss
-
-    return rss()
-
-
 class Onnxopt(Competitor):
     """onnxopt's fused step run by ``Runner``: one session run per step."""
 
@@ -72,7 +67,7 @@ class Onnxopt(Competitor):
 
         step = onnxopt.compile_train_step(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update),
                                           learning_rate=wl.lr)
-        self.rss_before = _rss()  # NOTE: the runner's memory is measured from here, after compiling
+        self.rss_before = rss()  # NOTE: the runner's memory is measured from here, after compiling
         self.runner = onnxopt.Runner(step)
         self.nodes = ort_kernels(step.model, wl.threads)
         # NOTE: use the runner's deferred-loss path when it has one (losses read once per epoch)

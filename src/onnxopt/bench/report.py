@@ -109,31 +109,35 @@ def _state_floats(wl: Workload) -> int:
     return {"sgd": 0, "nesterov": 1, "adam": 2}[wl.update] * wl.n_parameters
 
 
-def _memory(groups, workloads) -> tuple[dict, list[str]]:
-    """Rows for every workload; the target is judged where tensors (not ORT's fixed cost) dominate."""
-    lines = ["| workload | weights + state + activations (MB) | runner RSS growth (MB) | ratio |",
-             "| --- | --- | --- | --- |"]
-    memory = {}
+MEMORY_COMPETITORS = ("onnxopt", "ORT on-device", "torch eager")
+
+
+def _memory(memory: dict[str, dict[str, float | None]], workloads) -> tuple[dict, list[str]]:
+    """Fresh-process RSS growth per competitor against the tensors a step needs."""
+    lines = ["| workload | weights + state + activations (MB) | " + " | ".join(f"{c} (MB)" for c in MEMORY_COMPETITORS)
+             + " | onnxopt ratio |", "| --- |" + " --- |" * (len(MEMORY_COMPETITORS) + 2)]
+    judged = {}
     for wl in workloads:
-        ref = groups.get(wl.name, {}).get(REF)
-        if ref is None or ref.skipped or ref.rss_mb is None:
+        if wl.name not in memory:
             continue
+        row = memory[wl.name]
         expected = (wl.n_parameters + _state_floats(wl) + wl.activations) * 4 / 2**20
-        ratio = "– (tensors below the allocator's granularity)"
-        if wl.n_parameters >= 100_000:  # NOTE: below ~0.5 MB of tensors the growth is ORT's fixed session cost
-            memory[wl.name] = (ref.rss_mb, expected)
-            ratio = f"{ref.rss_mb / expected:.1f}"
-        lines.append(f"| {wl.name} | {expected:.2f} | {ref.rss_mb:.1f} | {ratio} |")
-    return memory, lines
+        ours = row.get(REF)
+        if ours is not None:
+            judged[wl.name] = (ours, expected)
+        cells = " | ".join(_fmt(row.get(c)) for c in MEMORY_COMPETITORS)
+        lines.append(f"| {wl.name} | {expected:.2f} | {cells} | {_fmt(ours / expected if ours else None)} |")
+    return judged, lines
 
 
 def _gflops(groups, workloads, sgemm) -> list[str]:
-    lines = ["| workload | competitor | GFLOP/s | share of sgemm |", "| --- | --- | --- | --- |"]
+    lines = ["| workload | competitor | GFLOP/s | share of the faster sgemm |", "| --- | --- | --- | --- |"]
     for wl in workloads:
         if wl.name not in sgemm:
             continue
-        peak = sgemm[wl.name]
-        lines.append(f"| {wl.name} | numpy sgemm {_layer(wl)} | {peak:.1f} | 1.00 |")
+        peak = max(sgemm[wl.name].values())
+        for ref, g in sgemm[wl.name].items():
+            lines.append(f"| {wl.name} | {ref} {_layer(wl)} | {g:.1f} | {g / peak:.2f} |")
         for name, r in groups.get(wl.name, {}).items():
             if not r.skipped:
                 g = wl.flops / r.us_per_step / 1e3
@@ -169,26 +173,27 @@ def _scaling(groups, workloads) -> list[str]:
     return lines
 
 
-def tables(results: list[Result], workloads: list[Workload], sgemm: dict[str, float], images: dict[str, str],
-           header: str) -> str:
+def tables(results: list[Result], workloads: list[Workload], sgemm: dict[str, dict[str, float]],
+           memory: dict[str, dict[str, float | None]], images: dict[str, str], header: str) -> str:
     """The generated part of the page."""
     groups = _by_workload(results)
     main = [wl for wl in workloads if not wl.name.startswith(("batch-", "width-"))]
-    memory, mem_lines = _memory(groups, main)
+    judged, mem_lines = _memory(memory, main)
     out = [header, "", "`onnxopt / it`: onnxopt's time per step divided by the competitor's (below 1: onnxopt "
            "is faster). `loss gap`: largest difference from onnxopt's loss over the run (per step, or per "
            "epoch for scikit-learn), relative to onnxopt's largest loss. `kernels/step`: ORT nodes after its "
            "graph optimizations (both sessions for ORT on-device), aten ops dispatched for torch eager.", "",
            *_main_table(groups, main), ""]
-    out += ["Targets, as ratios within this run:", "", *_targets(groups, memory), ""]
+    out += ["Targets, as ratios within this run:", "", *_targets(groups, judged), ""]
     if sgemm:
-        out += ["Achieved GFLOP/s (2·multiply-adds of forward and backward per step / time) against a numpy "
-                "float32 matmul of the biggest layer, same threads, same run:", "",
+        out += ["Achieved GFLOP/s (2·multiply-adds of forward and backward per step / time) against plain "
+                "float32 matmuls of the biggest layer (numpy's BLAS, ORT's MLAS), same threads, same run:", "",
                 *_gflops(groups, main, sgemm), ""]
     if len(mem_lines) > 2:
-        out += ["onnxopt runner memory: psutil RSS growth from `Runner(step)` to the end of the first epoch, "
-                "against float32 weights + optimizer state + activations (batch, and every layer before and "
-                "after ReLU):", "", *mem_lines, ""]
+        out += ["Memory: psutil RSS growth in a fresh process (`python -m onnxopt.bench.memory W C`, median of "
+                "3) from setup (onnxopt: from `Runner(step)`) to the end of the first epoch, against float32 "
+                "weights + optimizer state + activations (batch, every layer before and after ReLU):", "",
+                *mem_lines, ""]
     scaling = _scaling(groups, workloads)
     if scaling:
         out += ["Scaling (W1 with SGD, onnxopt and PyTorch eager):", "", *scaling, ""]

@@ -6,6 +6,7 @@ a block starts after ``PAUSE`` seconds and one untimed epoch; the result is the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import statistics
@@ -16,7 +17,7 @@ import numpy as np
 from onnxopt.bench.competitors import Competitor, Skipped
 from onnxopt.bench.workloads import Workload
 
-__all__ = ["Result", "run_workload", "sgemm_gflops", "rss"]
+__all__ = ["Result", "run_workload", "sgemm_gflops"]
 
 PAUSE = 0.05
 
@@ -33,7 +34,6 @@ class Result:
     per_epoch: int = 1  # entries of ``losses`` per epoch
     session_runs: float | None = None
     nodes: int | None = None
-    rss_mb: float | None = None
     note: str = ""
     skipped: str = ""
 
@@ -44,15 +44,6 @@ class Result:
 
     def epoch_means(self) -> np.ndarray:
         return np.asarray(self.losses, np.float64).reshape(-1, self.per_epoch).mean(axis=1)
-
-
-def rss() -> float | None:
-    """Resident memory of this process in MB (None without psutil)."""
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return psutil.Process().memory_info().rss / 2**20
 
 
 def run_workload(wl: Workload, competitors: list[type[Competitor]], rounds: int, epochs: int | None = None,
@@ -68,17 +59,13 @@ def run_workload(wl: Workload, competitors: list[type[Competitor]], rounds: int,
         comp = cls()
         res = Result(wl.name, cls.name)
         gc.collect()
-        before = rss()
         try:
             comp.setup(wl, X, y, {k: v.copy() for k, v in weights.items()})
         except Skipped as exc:
             res.skipped = str(exc)
             log(f"  {wl.name}: {cls.name} skipped: {exc}")
         else:
-            res.losses += comp.epoch()  # NOTE: the first epoch also sizes buffers, so RSS is read after it
-            after = rss()
-            before = getattr(comp, "rss_before", before)
-            res.rss_mb = None if before is None else after - before
+            res.losses += comp.epoch()
             res.per_epoch = len(res.losses)
             live.append((comp, res))
         results.append(res)
@@ -97,18 +84,47 @@ def run_workload(wl: Workload, competitors: list[type[Competitor]], rounds: int,
     return results
 
 
-def sgemm_gflops(m: int, k: int, n: int, threads: int, repeat: int = 20) -> float:
-    """GFLOP/s of a plain numpy float32 matmul (m, k) @ (k, n) on ``threads`` BLAS threads, best of ``repeat``."""
-    from threadpoolctl import threadpool_limits
+def sgemm_gflops(m: int, k: int, n: int, threads: int, repeat: int = 20) -> dict[str, float]:
+    """GFLOP/s of a plain float32 matmul (m, k) @ (k, n) on ``threads`` threads, best of ``repeat``.
 
+    Two references: numpy's BLAS (OpenBLAS here) and ORT's own MatMul kernel (MLAS) in a one-node session.
+    """
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # NOTE: comes with scikit-learn; without it numpy keeps its own thread count
+        threadpool_limits = contextlib.nullcontext
     rng = np.random.default_rng(0)
     a = rng.normal(size=(m, k)).astype(np.float32)
     b = rng.normal(size=(k, n)).astype(np.float32)
-    best = float("inf")
     with threadpool_limits(threads):
-        a @ b
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t0)
-    return 2.0 * m * k * n / best / 1e9
+        numpy_s = _best(lambda: a @ b, repeat)
+    sess = _matmul_session(k, n, threads)
+    mlas_s = _best(lambda: sess.run(None, {"A": a, "B": b}), repeat)
+    flop = 2.0 * m * k * n
+    return {"numpy matmul": flop / numpy_s / 1e9, "ORT MatMul (MLAS)": flop / mlas_s / 1e9}
+
+
+def _best(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _matmul_session(k: int, n: int, threads: int):
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    f32 = ir.TensorType(ir.DataType.FLOAT)
+    a, b = ir.Value(name="A", type=f32, shape=ir.Shape(["M", k])), ir.Value(name="B", type=f32, shape=ir.Shape([k, n]))
+    node = ir.node("MatMul", [a, b])
+    node.outputs[0].name, node.outputs[0].type = "Y", f32
+    graph = ir.Graph([a, b], node.outputs, nodes=[node], opset_imports={"": 18})
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    model = ir.to_proto(ir.Model(graph, ir_version=10))
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
