@@ -429,3 +429,19 @@ def test_keyboard_interrupt_returns_a_usable_estimator(data, monkeypatch):
     np.testing.assert_allclose(est.predict(X), pred, rtol=1e-6, atol=1e-6)
     est.set_params(warm_start=True, max_iter=2).fit(X, y)  # training goes on from there
     assert est.n_iter_ == 3 and est.runner_.step_count == 27 and len(est.train_losses_) == 3
+
+
+def test_a_batch_of_zero_sample_weight_is_skipped():
+    """Its weighted mean would be 0/0; the step is skipped, the other batches train as usual."""
+    from onnxopt.examples import linear_regression
+
+    rng = np.random.default_rng(3)
+    X, y = rng.normal(size=(4, 2)), rng.normal(size=4)
+    est = onnxopt.Trainer(linear_regression(2, dtype=np.float64), batch_size=2, max_iter=1, shuffle=False, tol=None)
+    est.fit(X, y, sample_weight=[0.0, 0.0, 1.0, 1.0])
+    ref = onnxopt.Trainer(linear_regression(2, dtype=np.float64), batch_size=2, max_iter=1, shuffle=False, tol=None)
+    ref.fit(X[2:], y[2:])
+    assert est.runner_.step_count == 1
+    for name, value in ref.runner_.get_weights().items():
+        np.testing.assert_array_equal(est.runner_.get_weights()[name], value)
+    np.testing.assert_allclose(est.train_losses_[0], ref.train_losses_[0] / 2)

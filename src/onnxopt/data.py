@@ -23,20 +23,27 @@ def as_array(value, dtype, name: str) -> np.ndarray:
     except (TypeError, ValueError) as exc:
         raise DataError(f"{name}: expected a numeric array, got {type(value).__name__} ({exc})") from exc
     if arr.dtype == dtype:
-        return np.ascontiguousarray(arr)
-    if arr.dtype.kind == "O":  # NOTE: lists of mixed numbers or pandas object columns
-        try:
-            arr = arr.astype(np.float64)
-        except (TypeError, ValueError) as exc:
+        return np.asarray(arr, order="C")  # NOTE: not ascontiguousarray, which makes 0-d arrays 1-d
+    if arr.dtype.kind == "O":  # NOTE: lists of mixed numbers or pandas object columns: the values' own dtype
+        values = arr
+        try:  # NOTE: Python ints alone become int64 (then the integer rule below), strings stay strings
+            arr = np.asarray(arr.tolist()) if arr.size else arr.astype(np.float64)
+            arr = arr.astype(np.float64) if arr.dtype.kind == "O" else arr  # NOTE: None -> NaN
+        except (TypeError, ValueError, OverflowError) as exc:
             raise DataError(f"{name}: expected numbers, got dtype object holding non-numbers ({exc})") from exc
+        if arr.dtype.kind not in "biuf" or arr.shape != values.shape:
+            raise DataError(f"{name}: expected numbers, got dtype object holding non-numbers (read as {arr.dtype} "
+                            f"of shape {arr.shape}, expected {values.shape})")
+        if arr.dtype.kind == "f" and any(type(v) is int and v != float(c) for v, c in zip(values.flat, arr.flat)):
+            raise DataError(f"{name}: expected {dtype} values, got integers that change when cast to float64")
     if arr.dtype.kind == "f" and dtype.kind == "f":
-        return np.ascontiguousarray(arr, dtype=dtype)
+        return np.asarray(arr, dtype=dtype, order="C")
     if arr.dtype.kind in "biuf" and dtype.kind in "biuf":
         cast = arr.astype(dtype)
         if arr.size and not np.array_equal(cast.astype(arr.dtype), arr, equal_nan=arr.dtype.kind == "f"):
             raise DataError(f"{name}: expected {dtype} values, got {arr.dtype} values that change when cast "
                             f"to {dtype} (e.g. non-integer class labels or integers too large)")
-        return np.ascontiguousarray(cast)
+        return np.asarray(cast, order="C")
     raise DataError(f"{name}: expected numbers castable to {dtype}, got dtype {arr.dtype}")
 
 

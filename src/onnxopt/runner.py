@@ -33,13 +33,25 @@ _HOST = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 def default_session_options(n_parameters: int) -> ort.SessionOptions:
     """Options for small training graphs: one thread below ~1M parameters (no thread hand-off), all above."""
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3  # NOTE: weights are overridable initializers by design; ORT warns about it
+    # NOTE: fatal only: ORT warns that weights are overridable initializers (by design) and logs every
+    # refused batch as an error, which Runner.step already raises as a DataError
+    opts.log_severity_level = 4
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     if n_parameters < 1_000_000:
         opts.intra_op_num_threads = 1
         opts.inter_op_num_threads = 1
     return opts
+
+
+def _without_values(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> bytes:
+    """The fused model without its weights' values: they are always bound, so the session need not hold a copy."""
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(model)
+    keep = [t for t in stripped.graph.initializer if t.name not in weights]
+    del stripped.graph.initializer[:]
+    stripped.graph.initializer.extend(keep)
+    return stripped.SerializeToString()
 
 
 class Runner:
@@ -60,7 +72,7 @@ class Runner:
         self.dtype = next(iter(initial.values())).dtype
         opts = session_options or default_session_options(sum(a.size for a in initial.values()))
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
-        self.session = ort.InferenceSession(self.train_step.model.SerializeToString(), opts, providers=providers)
+        self.session = ort.InferenceSession(_without_values(self.train_step.model, initial), opts, providers=providers)
         self._input_types = {i.name: i for i in self.session.get_inputs()}
         self._carried = [*self.train_step.weights, *self.train_step.state]
         self._sets = [self._zeros_like(initial) for _ in range(_N_SETS)]
@@ -124,6 +136,8 @@ class Runner:
             if y is None:
                 raise DataError(f"y: the compiled loss needs targets for {self._y_name!r}, got None")
             yv, arr = self._value(y, self._y_dtype, "y")
+            if arr.shape[:1] != X.shape[:1]:  # NOTE: the loss reshapes targets like the prediction: check rows
+                raise self._data_error([*keep, arr], f"y: expected one row per sample of X, got shape {arr.shape}")
             raw.bind_ortvalue_input(self._y_name, yv)
             keep.append(arr)
         if self._w_name is not None:
@@ -136,6 +150,9 @@ class Runner:
                 keep.append(ones[1])
             else:
                 wv, arr = self._value(sample_weight, self.dtype, "sample_weight")
+                if arr.shape != X.shape[:1]:  # NOTE: the loss broadcasts weights: (1,) or (n, 1) would run
+                    raise self._data_error([*keep, arr], f"sample_weight: expected shape {X.shape[:1]} (one weight "
+                                           f"per sample of X), got {arr.shape}")
                 raw.bind_ortvalue_input(self._w_name, wv)
                 keep.append(arr)
         elif sample_weight is not None:
@@ -208,12 +225,28 @@ class Runner:
                 f"those of step {self.step_count} (the last synced step), see get_weights()")
         return np.concatenate([*earlier, losses]) if earlier else losses
 
-    def _data_error(self, arrays, exc: Exception) -> Exception:
+    def check_weights(self) -> None:
+        """Raises ConvergenceError if a weight is NaN or infinite, going back to the weights that gave the last
+        finite loss as a diverging step does. ``step`` checks the loss only: a finite loss can still overflow
+        its update, which the next step finds (``Trainer`` calls this after every epoch)."""
+        bad = [name for name, w in self.get_weights().items() if not np.isfinite(w).all()]
+        if not bad:
+            return
+        failed, kept = self.step_count, "they were reset to those that gave its loss"
+        if self._previous_valid:
+            self._current = (self._current - 1) % _N_SETS
+            self._previous_valid = False
+        else:
+            kept = "no earlier weights are kept (set_weights, a checkpoint or deferred steps came last)"
+        raise ConvergenceError(f"weights: {bad} became NaN or infinite at step {failed} although its loss was "
+                               f"finite; {kept}, see get_weights()")
+
+    def _data_error(self, arrays, exc: Exception | str) -> Exception:
         names = [n for n in (self._x_name, self._y_name, self._w_name, self.train_step.output_grad) if n is not None]
         given = ", ".join(f"{n}{tuple(a.shape)} {a.dtype}" for n, a in zip(names, arrays))
         expected = ", ".join(f"{n}{self._input_types[n].shape} {self._input_types[n].type}" for n in names)
-        return DataError(f"batch: onnxruntime refused it ({str(exc).splitlines()[0][:300]}); expected {expected}, "
-                         f"got {given}")
+        reason = exc if isinstance(exc, str) else f"onnxruntime refused it ({str(exc).splitlines()[0][:300]})"
+        return DataError(f"batch: {reason}; expected {expected}, got {given}")
 
     @property
     def step_count(self) -> int:

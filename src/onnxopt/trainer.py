@@ -262,15 +262,21 @@ class Trainer:
         step, total, show = self.runner_.step, 0.0, self.verbose > 0
         for k, start in enumerate(range(0, n, batch)):
             stop = start + batch
+            if sw is not None and not sw[start:stop].any():  # NOTE: a batch of zero weight teaches nothing (0/0)
+                continue
             try:
                 loss = step(X[start:stop], y[start:stop] if y is not None else None,
                             sw[start:stop] if sw is not None else None)
             except ConvergenceError as exc:
                 raise ConvergenceError(f"epoch {self.n_iter_ + 1}, batch {k + 1}: {exc}") from exc
-            total += loss * (min(stop, n) - start)
+            total += loss * ((min(stop, n) - start) / n)  # NOTE: loss * n_batch alone can overflow near 1e308
             if show:
                 bar.update(1)
-        return total / n
+        try:  # NOTE: a finite last loss can still overflow its update; never save or return such weights
+            self.runner_.check_weights()
+        except ConvergenceError as exc:
+            raise ConvergenceError(f"epoch {self.n_iter_ + 1}, batch {k + 1}: {exc}") from exc
+        return total
 
     def _split(self, X, y, sw):
         n_val = int(np.ceil(self.validation_fraction * X.shape[0]))
