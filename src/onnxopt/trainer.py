@@ -100,17 +100,21 @@ class Trainer:
         arrays = state.pop("_arrays", None)
         self.__dict__.update(state)
         if arrays is not None:  # NOTE: sessions are rebuilt from the pickled TrainStep; weights continue bit for bit
-            self.runner_ = Runner(self.train_step_, device=self.device)
+            self.runner_ = self._make_runner()
             self.runner_.set_weights(arrays)
             self._loss = resolve_loss(self.loss) if self.loss is not None else None
             self._predictor = self._evaluator = None
 
     # -- setup -------------------------------------------------------------------------------------------
+    def _make_runner(self) -> Runner:
+        batch = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 32
+        return Runner(self.train_step_, device=self.device, batch_size=batch)
+
     def _initialize(self) -> None:
         self.train_step_ = compile_train_step(
             self.model, loss=self.loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
             weights=self.weights, output=self.output, loss_output=self.loss_output)
-        self.runner_ = Runner(self.train_step_, device=self.device)
+        self.runner_ = self._make_runner()
         self._loss = resolve_loss(self.loss) if self.loss is not None else None
         self._kind = _task(self._loss)
         self.n_iter_, self.train_losses_, self.validation_losses_ = 0, [], []
