@@ -5,7 +5,7 @@ import pytest
 
 import onnxopt
 from onnxopt.examples import mlp
-from helpers import run_once, session
+from helpers import count_runs, run_once, session
 
 
 @pytest.fixture
@@ -38,17 +38,8 @@ def test_one_session_run_per_step_and_no_new_session(data, monkeypatch):
     X, y = data
     runner = onnxopt.Runner(_step())
     runner.step(X[:10], y[:10])
-    runs, sessions = [], []
-
-    class Counting:  # NOTE: the runner calls the C session directly; count at that level
-        def __init__(self, sess):
-            self.sess = sess
-
-        def run_with_iobinding(self, *args):
-            runs.append(1)
-            return self.sess.run_with_iobinding(*args)
-
-    monkeypatch.setattr(runner.session, "_sess", Counting(runner.session._sess))
+    sessions = []
+    runs = count_runs(runner, monkeypatch)
     monkeypatch.setattr(ort.InferenceSession, "__init__", lambda *a, **k: sessions.append(1))
     for i in range(5):
         runner.step(X[10 * i:10 * i + 10], y[10 * i:10 * i + 10])

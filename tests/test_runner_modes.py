@@ -6,6 +6,7 @@ import pytest
 import onnxopt
 import onnxopt.runner
 from onnxopt.examples import mlp
+from helpers import count_runs
 
 
 @pytest.fixture
@@ -23,19 +24,6 @@ def _runner(update="adam", learning_rate=0.01):
                                                      learning_rate=learning_rate))
 
 
-def _count_runs(runner, monkeypatch) -> list:
-    runs = []
-
-    class Counting:  # NOTE: the runner calls the C session directly; count at that level
-        def __init__(self, sess):
-            self.sess = sess
-
-        def run_with_iobinding(self, *args):
-            runs.append(1)
-            return self.sess.run_with_iobinding(*args)
-
-    monkeypatch.setattr(runner.session, "_sess", Counting(runner.session._sess))
-    return runs
 
 
 def test_deferred_losses_and_weights_equal_per_step_reading(data):
@@ -71,7 +59,7 @@ def test_deferred_losses_survive_automatic_and_mode_switch_syncs(data, monkeypat
 
 def test_one_session_run_per_step_in_deferred_mode(data, monkeypatch):
     runner = _runner()
-    runs = _count_runs(runner, monkeypatch)
+    runs = count_runs(runner, monkeypatch)
     batches = _batches(*data)
     for X, y in batches:
         runner.step(X, y, read_loss=False)
