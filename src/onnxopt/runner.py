@@ -121,8 +121,8 @@ class Runner:
         return binding
 
     # -- training ----------------------------------------------------------------------------------------
-    def _value(self, arr, dtype, name: str) -> C.OrtValue:
-        """An OrtValue over ``arr`` (no copy on CPU for a C-contiguous array of the right dtype)."""
+    def _value(self, arr, dtype, name: str) -> tuple[C.OrtValue, np.ndarray]:
+        """An OrtValue over ``arr`` and the array it reads (no copy on CPU for a C-contiguous array of the dtype)."""
         if type(arr) is not np.ndarray or arr.dtype != dtype or not arr.flags.c_contiguous:
             arr = as_array(arr, dtype, name)
         return C.OrtValue.ortvalue_from_numpy(arr, self._device), arr
