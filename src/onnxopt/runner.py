@@ -19,7 +19,7 @@ import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
 from onnxopt.data import as_array
-from onnxopt.errors import ConvergenceError, DataError
+from onnxopt.errors import CheckpointError, ConvergenceError, DataError
 from onnxopt.step import NEW, STEP, TrainStep
 
 __all__ = ["Runner", "default_session_options"]
@@ -289,22 +289,27 @@ class Runner:
                 s[name].update_inplace(arr)
         self._previous_valid = False
 
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
+    def save_checkpoint(self, path: str | os.PathLike, meta: Mapping | None = None) -> None:
         """Writes weights, optimizer state and step count to ``path``, atomically and with a SHA-256 checksum
-        (``onnxopt.checkpoint``)."""
+        (``onnxopt.checkpoint``); ``meta`` (JSON values, e.g. a ``kind`` and a history) is stored with them."""
         from onnxopt.checkpoint import save_arrays
 
         arrays = {**self.get_weights(), **self.get_state()}
-        save_arrays(path, arrays, {"kind": "onnxopt.Runner", "step": self.step_count})
+        save_arrays(path, arrays, {"kind": "onnxopt.Runner", "step": self.step_count, **(meta or {})})
 
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restores what ``save_checkpoint`` wrote; training then continues bit for bit. The file is verified
-        (checksum, names, shapes, dtypes) before any weight changes: a bad one raises CheckpointError."""
+    def load_checkpoint(self, path: str | os.PathLike, kind: str | None = None) -> dict:
+        """Restores what ``save_checkpoint`` wrote and returns its metadata; training then continues bit for
+        bit. The file is verified (checksum, names, shapes, dtypes, and its ``kind`` when given) before any
+        weight changes: a bad one raises CheckpointError."""
         from onnxopt.checkpoint import load_arrays
 
         expected = {n: (a.shape, a.dtype) for n, a in {**self.get_weights(), **self.get_state()}.items()}
-        arrays, _ = load_arrays(path, expected)
+        arrays, meta = load_arrays(path, expected)
+        if kind is not None and meta.get("kind") != kind:
+            raise CheckpointError(f"checkpoint: {os.fspath(path)!r} was written by {meta.get('kind')!r}, "
+                                  f"expected {kind!r}")
         self.set_weights(arrays)
+        return meta
 
     def export(self) -> onnx.ModelProto:
         """The user's original inference model with the trained weights written into its initializers."""

@@ -21,8 +21,7 @@ from tqdm.auto import tqdm
 
 from onnxopt.data import check_batch_size, check_features, check_sample_weight, check_target
 from onnxopt.dsl import losses
-from onnxopt.checkpoint import load_arrays, save_arrays
-from onnxopt.errors import CheckpointError, ConvergenceError, DataError, ModelError
+from onnxopt.errors import ConvergenceError, DataError, ModelError
 from onnxopt.fuse import compile_train_step
 from onnxopt.loss_output import add_loss_output
 from onnxopt.resolve import resolve_loss
@@ -127,17 +126,23 @@ class Trainer:
         self.__dict__.pop("classes_", None)
 
     def _sessions(self) -> None:
-        """Prediction and validation-loss sessions whose weights are inputs bound to the runner's OrtValues."""
+        """The prediction session, its weights inputs bound to the runner's OrtValues at each call."""
         exported = self.runner_.export()
         out = _prediction_output(exported, self.output, self.loss_output if self._loss is None else None)
         self._predictor = _session(exported, [out], self.train_step_.weights, self.runner_.dtype)
         pred = next(o for o in self._predictor.get_outputs() if o.name == out)
         self._y_shape, self._out = pred.shape, out
-        if self._loss is None:
-            self._evaluator = _session(exported, [self.loss_output], self.train_step_.weights, self.runner_.dtype)
-        else:
-            with_loss = add_loss_output(exported, self._loss, output=self.output)
-            self._evaluator = _session(with_loss, ["loss"], self.train_step_.weights, self.runner_.dtype)
+
+    def _evaluation_session(self) -> ort.InferenceSession:
+        """The validation-loss session, built on first use (only early stopping needs it)."""
+        if self._evaluator is None:
+            exported = self.runner_.export()
+            if self._loss is None:
+                self._evaluator = _session(exported, [self.loss_output], self.train_step_.weights, self.runner_.dtype)
+            else:
+                with_loss = add_loss_output(exported, self._loss, output=self.output)
+                self._evaluator = _session(with_loss, ["loss"], self.train_step_.weights, self.runner_.dtype)
+        return self._evaluator
 
     def _run(self, session: ort.InferenceSession, feeds: dict) -> np.ndarray:
         binding = session.io_binding()
@@ -295,7 +300,7 @@ class Trainer:
     def _validation_loss(self, X, y, sw) -> float:
         ones = np.ones(X.shape[0], self.runner_.dtype)
         feeds = {self.train_step_.inputs[0]: X, "target": y, "sample_weight": ones if sw is None else sw}
-        return float(self._run(self._evaluator, feeds))
+        return float(self._run(self._evaluation_session(), feeds))
 
     def _no_improvement(self) -> bool:
         """scikit-learn's MLP rule: stop after more than n_iter_no_change epochs without a tol improvement."""
@@ -316,21 +321,15 @@ class Trainer:
         if self.checkpoint_dir is None:
             return
         os.makedirs(self.checkpoint_dir, exist_ok=True)
-        meta = {"kind": _KIND, "steps": self.runner_.step_count, "n_iter": self.n_iter_, "seed": self._seed,
-                "train_losses": self.train_losses_, "validation_losses": self.validation_losses_,
-                "best": list(self._best[:2])}
-        save_arrays(os.path.join(self.checkpoint_dir, _CHECKPOINT),
-                    {**self.runner_.get_weights(), **self.runner_.get_state()}, meta)
+        meta = {"kind": _KIND, "n_iter": self.n_iter_, "seed": self._seed, "train_losses": self.train_losses_,
+                "validation_losses": self.validation_losses_, "best": list(self._best[:2])}
+        self.runner_.save_checkpoint(os.path.join(self.checkpoint_dir, _CHECKPOINT), meta)
 
     def _resume(self) -> None:
         path = None if self.checkpoint_dir is None else os.path.join(self.checkpoint_dir, _CHECKPOINT)
         if path is None or not os.path.exists(path):
             return
-        current = {**self.runner_.get_weights(), **self.runner_.get_state()}
-        arrays, meta = load_arrays(path, {n: (a.shape, a.dtype) for n, a in current.items()})
-        if meta.get("kind") != _KIND:
-            raise CheckpointError(f"checkpoint_dir: {path!r} was written by {meta.get('kind')!r}, expected {_KIND!r}")
-        self.runner_.set_weights(arrays)
+        meta = self.runner_.load_checkpoint(path, kind=_KIND)
         self.n_iter_, self._seed = meta["n_iter"], meta["seed"]
         self.train_losses_, self.validation_losses_ = meta["train_losses"], meta["validation_losses"]
         self._best = (*meta["best"], None)
