@@ -23,7 +23,7 @@ import numpy as np
 import onnxruntime as ort
 
 import onnxopt
-from onnxopt.bench.competitors import Onnxopt, OrtTraining, _onnxopt_update
+from onnxopt.bench.competitors import Onnxopt, OrtTraining, _onnxopt_update, runner_model
 from onnxopt.bench.workloads import WORKLOADS
 from onnxopt.runner import default_session_options
 
@@ -47,24 +47,24 @@ def kernel_table(path: str, runs: int, top: int = 10) -> None:
 
 
 def profile_fused(wl, X, y, steps: int, folder: str) -> None:
-    """The fused step in a plain session (Runner's options + profiling), outputs fed back as inputs."""
+    """The model the Runner runs (``runner_model``: packs as inputs) in a plain session with the Runner's
+    options + profiling, ``.new`` outputs fed back as inputs (packed weights are not: kernel times only)."""
     step = onnxopt.compile_train_step(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update),
                                       learning_rate=wl.lr)
-    opts = default_session_options(wl.n_parameters)
+    opts = default_session_options(wl.n_parameters, wl.batch)
     opts.enable_profiling = True
     opts.profile_file_prefix = os.path.join(folder, "onnxopt")
-    sess = ort.InferenceSession(step.model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    weights = step.initial_weights()
-    feeds = {step.inputs[0]: X[:wl.batch], step.target: y[:wl.batch], **weights}
+    sess = ort.InferenceSession(runner_model(step).SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    feeds = {step.inputs[0]: X[:wl.batch], step.target: y[:wl.batch], **step.initial_weights()}
     if step.sample_weight:
         feeds[step.sample_weight] = np.ones(wl.batch, np.float32)
-    for name in step.state:
-        base = name.rsplit(".", 1)[0]
-        feeds[name] = np.array(0, np.int64) if name == "optim.step" else np.zeros_like(weights[base])
+    for i in sess.get_inputs():  # NOTE: optimizer state (per weight or packed) and the step counter start at 0
+        if i.name not in feeds:
+            feeds[i.name] = np.zeros(i.shape, np.int64 if i.type == "tensor(int64)" else np.float32)
     names = [o.name for o in sess.get_outputs()]
     for _ in range(steps):
         out = dict(zip(names, sess.run(None, feeds)))
-        feeds.update({src: out[dst] for src, dst in step.carry.items()})
+        feeds.update({name[: -len(".new")]: value for name, value in out.items() if name.endswith(".new")})
     print(f"{wl.name}: onnxopt fused step, ORT profiler")
     kernel_table(sess.end_profiling(), steps)
 

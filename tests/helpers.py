@@ -1,4 +1,4 @@
-"""Test helpers: run a fused step once with a plain InferenceSession, zero state."""
+"""Test helpers: run a fused step once with a plain InferenceSession, zero optimizer state."""
 
 from __future__ import annotations
 
@@ -20,14 +20,16 @@ def run_once(step, X, y, sample_weight=None, weights=None, state=None, step_coun
     """One run of ``step.model``: returns every output by name (weights default to the model's)."""
     sess = session(step.model)
     weights = weights if weights is not None else step.initial_weights()
-    feeds = {step.inputs[0]: X, **weights}
+    feeds = {step.inputs[0]: X, **weights, **step.initial_buffers()}  # NOTE: running statistics: the model's
     if step.target:
         feeds[step.target] = y
     if step.sample_weight:
         dtype = next(iter(weights.values())).dtype
         feeds[step.sample_weight] = np.ones(len(X), dtype) if sample_weight is None else sample_weight
-    for name in step.state:
-        if name == "optim.step":
+    for name in [*step.buffers, *step.state]:
+        if name in step.buffers:
+            feeds[name] = (state or {}).get(name, feeds[name])
+        elif name == "optim.step":
             feeds[name] = np.array(step_count, np.int64)
         else:
             w = weights[name.rsplit(".", 1)[0]]

@@ -373,14 +373,192 @@ def test_divergence_raises_or_is_recorded_with_exc_false():
     (lambda: add_loss_output(polynomial(), score_name="hinge"), DslError, "squared_error"),
     (lambda: add_loss_output(polynomial(), label_name="x"), ModelError, "label_name"),
     (lambda: add_loss_output(polynomial(), penalty={"nope": 0.1}), ModelError, "nope"),
-    (lambda: OrtGradientForwardBackwardOptimizer(polynomial(), learning_rate="Adam"), DslError, "learning_rate"),
-    (lambda: OrtGradientForwardBackwardOptimizer(polynomial(), learning_loss="hinge"), DslError, "learning_loss"),
-    (lambda: NegLogLearningLoss(probability_function="softmax"), DslError, "sigmoid"),
-    (lambda: OrtGradientForwardBackwardOptimizer(polynomial()).fit(np.zeros((4, 2), np.float32), np.zeros(4),
-                                                                   X_val=np.zeros((2, 2))), DataError, "X_val"),
+    (lambda: OrtGradientForwardBackwardOptimizer(polynomial(), learning_rate="Adam"), ValueError, "learning_rate"),
+    (lambda: OrtGradientForwardBackwardOptimizer(polynomial(), learning_loss="hinge"), ValueError, "learning_loss"),
+    (lambda: NegLogLearningLoss(probability_function="softmax"), ValueError, "sigmoid"),
+    (lambda: LearningRateSGD(learning_rate="EXC"), ValueError, "invscaling"),
+    (lambda: OrtGradientOptimizer(add_loss_output(polynomial()), ["init"], learning_rate="Nesterov"),
+     NotImplementedError, "SGD"),
+    (lambda: OrtGradientForwardBackwardOptimizer(linear_regression(2), ["bias", "coef"]).fit(
+        np.zeros((4, 2), np.float32), np.zeros(4)), ValueError, "order"),
     (lambda: OrtGradientOptimizer(add_loss_output(polynomial()), ["init"]).fit(
         np.zeros((4, 2), np.float32), np.zeros(4), np.ones(4)), DataError, "weight_name"),
 ])
 def test_bad_input_is_named(call, error, words):
     with pytest.raises(error, match=words):
         call()
+
+
+# -- issue 12: what onnxcustom's own test suite needs (tests/upstream_onnxcustom), checked against NumPy ----------
+
+def _linear_data(n=40, seed=0):
+    X = np.random.default_rng(seed).normal(size=(n, 2)).astype(np.float32)
+    return X, (X @ np.array([1.5, -2.0], np.float32) + 0.5).astype(np.float32)
+
+
+def _numpy_pred(est, X):
+    w = {k: v.numpy() for k, v in est.trained_coef_.items()}
+    return X.astype(np.float64) @ w["coef"] + w["bias"]
+
+
+def test_loop_yields_each_rate_once_and_fit_follows_onnxcustom_epochs():
+    assert LearningRateSGD(0.1).loop(4).__next__() == 0.1
+    np.testing.assert_allclose(list(LearningRateSGD(0.1).loop(4)), [0.1 / k**0.25 for k in (1, 2, 3, 4)])
+    rate = LearningRateSGD(0.1)
+    assert [rate.rate(e) for e in range(3)] == [0.1, 0.1, 0.1 / 2**0.25]  # epochs 0 and 1 both use eta0
+
+
+def test_validation_losses_score_and_losses_match_numpy():
+    X, y = _linear_data()
+    np.random.seed(0)
+    est = OrtGradientForwardBackwardOptimizer(linear_regression(2), max_iter=20, batch_size=10,
+                                              learning_rate=LearningRateSGD(0.05)).fit(X[:30], y[:30], X_val=X[30:],
+                                                                                        y_val=y[30:])
+    assert len(est.validation_losses_) == 10 and len(est.train_losses_) == 20  # every int(0.1 * 20) epochs
+    residual = _numpy_pred(est, X[30:]).ravel() - y[30:]
+    np.testing.assert_allclose(est.validation_losses_[-1], np.mean(residual**2), rtol=1e-5)
+    np.testing.assert_allclose(est.losses(X[30:], y[30:]), residual**2, rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(est.score(X[30:], y[30:]), -np.mean(residual**2), rtol=1e-5)
+    assert est.validation_losses_[-1] < est.validation_losses_[0]
+
+
+def test_pickled_fitted_estimator_keeps_its_weights_and_trains_on():
+    import pickle
+
+    X, y = _linear_data()
+    np.random.seed(0)
+    est = OrtGradientForwardBackwardOptimizer(linear_regression(2), max_iter=3, learning_rate="Nesterov").fit(X, y)
+    copy = pickle.loads(pickle.dumps(est))
+    for a, b in zip(est.get_state(), copy.get_state()):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert copy.train_losses_ == est.train_losses_ and copy.fit(X, y).train_losses_[-1] < est.train_losses_[0]
+
+
+def test_clone_and_grid_search_pick_the_learning_rate():
+    from sklearn.base import clone
+    from sklearn.model_selection import GridSearchCV
+
+    X, y = _linear_data(60)
+    est = OrtGradientForwardBackwardOptimizer(linear_regression(2), max_iter=5, learning_rate=LearningRateSGD(1e-4))
+    params = clone(est).get_params()
+    assert params["learning_rate"] is not est.learning_rate and params["learning_rate"].eta0 == 1e-4
+    grid = GridSearchCV(est, {"learning_rate": [LearningRateSGD(v) for v in (1e-5, 5e-2)]}, cv=2).fit(X, y)
+    assert grid.best_params_["learning_rate"].eta0 == 5e-2
+
+
+def test_save_onnx_graph_before_fit_gives_the_step_and_the_start_model(tmp_path):
+    est = OrtGradientForwardBackwardOptimizer(linear_regression(2), learning_rate=LearningRateSGDNesterov(1e-3),
+                                              learning_penalty=ElasticLearningPenalty(0.0, 1e-4))
+    saved = est.save_onnx_graph(bytes)
+    assert sorted(saved) == ["train_step", "trained_onnx"]
+    paths = est.save_onnx_graph(str(tmp_path))
+    step = onnx.load(paths["train_step"])
+    assert {"coef", "bias"} <= {i.name for i in step.graph.input} | {i.name for i in step.graph.initializer}
+    assert onnx.load_from_string(saved["trained_onnx"]).graph.initializer[0].name == "coef"
+    with pytest.raises(AttributeError, match="fit"):
+        est.get_state()
+
+
+def test_divergence_keeps_finite_losses_and_weights():
+    X = np.arange(60, dtype=np.float32).reshape((-1, 2))  # upstream test_optimizers_nan's data
+    y = np.arange(30, dtype=np.float32)
+    np.random.seed(0)
+    est = OrtGradientOptimizer(add_loss_output(linear_regression(2)), ["coef", "bias"], learning_rate=1e3)
+    with pytest.raises(ConvergenceError):
+        est.fit(X, y)
+    assert len(est.train_losses_) >= 1 and np.isfinite(est.train_losses_).all()
+    assert all(np.isfinite(v).all() for v in est.get_state().values())
+    w = est.get_state()
+    expected = np.sum((X.astype(np.float64) @ w["coef"] + w["bias"] - y[:, None]) ** 2) / len(y)
+    np.testing.assert_allclose(est.score(X, y), -expected, rtol=1e-4)  # the loss output is a sum
+
+
+def test_base_select_builds_each_object():
+    from onnxopt.compat import BaseLearningLoss, BaseLearningPenalty, BaseLearningRate, ElasticLearningLoss
+
+    loss = BaseLearningLoss.select("elastic", l1_weight=0.1, l2_weight=0.9)
+    assert isinstance(loss, ElasticLearningLoss) and (loss.l1_weight, loss.l2_weight) == (0.1, 0.9)
+    pen = BaseLearningPenalty.select("elastic", l1=0.2, l2=0.3)
+    assert isinstance(pen, ElasticLearningPenalty) and (pen.l1, pen.l2) == (0.2, 0.3)
+    assert isinstance(BaseLearningRate.select("Nesterov", momentum=0.5), LearningRateSGDNesterov)
+    assert BaseLearningRate.select(0.5).eta0 == 0.5
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_add_loss_output_log_and_square_match_numpy_with_shape_1_1(dtype):
+    x = ir.Value(name="X", type=ir.TensorType(ir.DataType.from_numpy(np.dtype(dtype))), shape=ir.Shape(["N", 2]))
+    node = ir.node("Identity", [x])
+    node.outputs[0].name = "Y"
+    node.outputs[0].dtype, node.outputs[0].shape = x.dtype, ir.Shape(["N", 2])
+    model = ir.to_proto(ir.Model(ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=10))
+    p1 = np.array([0, 0, 0.2, 0.5, 0.8, 1, 1])
+    P = np.vstack([1 - p1, p1]).T.astype(dtype)
+    labels = np.array([0, 1, 0, 1, 1, 1, 0], np.int64)
+    w = np.linspace(1, 2, 7).astype(dtype)
+    loss = _run(add_loss_output(model, "log", eps=1e-6, weight_name="w"), {"X": P, "label": labels[:, None], "w": w})[0]
+    q = np.clip(p1, 1e-6, 1 - 1e-6)
+    expected = -np.mean(w * np.where(labels == 1, np.log(q), np.log(1 - q)))
+    assert loss.shape == (1, 1)
+    np.testing.assert_allclose(loss[0, 0], expected, rtol=1e-5 if dtype == np.float32 else 1e-11)
+    sq = _run(add_loss_output(model), {"X": P, "label": P[:, ::-1].copy()})[0]
+    np.testing.assert_allclose(sq, [[np.sum((P - P[:, ::-1]) ** 2)]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_labels_and_weights_shaped_n_1_train_like_n(dtype):
+    X, y = _linear_data()
+    X, y = X.astype(dtype), y.astype(dtype)
+    sw = np.linspace(0.5, 2, len(y)).astype(dtype)
+    fits = []
+    for shape in [(-1,), (-1, 1)]:
+        np.random.seed(0)
+        fits.append(OrtGradientForwardBackwardOptimizer(linear_regression(2, dtype=dtype), max_iter=3,
+                                                        weight_name="w").fit(X, y.reshape(shape), sw.reshape(shape)))
+    for a, b in zip(fits[0].get_state(), fits[1].get_state()):
+        assert a.numpy().dtype == dtype
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert fits[0].train_losses_[-1] < fits[0].train_losses_[0]
+
+
+def test_trainer_takes_class_labels_and_weights_shaped_n_1():
+    from onnxopt import Trainer
+    from onnxopt.examples import mlp
+
+    X = np.random.default_rng(0).normal(size=(40, 2)).astype(np.float32)
+    labels = (X[:, 0] > 0).astype(np.int64)
+    sw = np.linspace(0.5, 2, 40).astype(np.float32)
+    a = Trainer(mlp([2, 1]), loss="log", max_iter=2).fit(X, labels, sw)
+    b = Trainer(mlp([2, 1]), loss="log", max_iter=2).fit(X, labels[:, None], sw[:, None])
+    assert a.train_losses_ == b.train_losses_
+
+
+def test_onnx_derivative_with_respect_to_inputs_only():
+    x = ir.Value(name="X", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["N", 3]))
+    node = ir.node("Mul", [x, x])
+    node.outputs[0].name, node.outputs[0].dtype, node.outputs[0].shape = "Y", x.dtype, ir.Shape(["N", 3])
+    model = ir.to_proto(ir.Model(ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=10))
+    X = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+    G = np.random.default_rng(1).normal(size=(4, 3)).astype(np.float32)
+    for grad in (onnx_derivative(model), onnx_derivative(model, weights=[])):
+        assert [o.name for o in grad.graph.output] == ["X_grad"]
+        np.testing.assert_allclose(_run(grad, {"X": X, "Y_grad": G})[0], 2 * X * G, rtol=1e-6)
+
+
+def test_int8_weights_raise_a_runtime_error_naming_them():
+    from onnxopt.errors import WeightError
+
+    m = ir.from_proto(linear_regression(2))
+    q = ir.Value(name="zero_point", const_value=ir.tensor(np.array([3], np.int8)))
+    m.graph.register_initializer(q)
+    with pytest.raises(RuntimeError, match="zero_point.*INT8") as info:
+        onnx_derivative(ir.to_proto(m), weights=["coef", "zero_point"])
+    assert isinstance(info.value, WeightError)
+
+
+def test_enable_logging_reports_each_epoch_on_the_onnxcustom_logger(caplog):
+    import logging
+
+    X, y = _linear_data()
+    with caplog.at_level(logging.DEBUG, logger="onnxcustom"):
+        OrtGradientForwardBackwardOptimizer(linear_regression(2), max_iter=3, enable_logging=True).fit(X, y)
+    assert sum("_iteration] epoch" in r.getMessage() for r in caplog.records) == 3

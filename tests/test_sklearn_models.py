@@ -168,12 +168,18 @@ def test_logistic_regression_linear_classifier_is_lowered(data):
     assert w["LinearClassifier_coef"].shape == (4, 2)
 
 
-def test_zipmap_output_is_refused_with_a_hint(data):
+def test_zipmap_is_dropped_and_its_probabilities_train(data):
     X, _, labels = data
     est = _fit(SGDClassifier(loss="log_loss", max_iter=2, random_state=0), X, labels)
     onx = to_onnx(est, X[:1], target_opset=OPSET)  # default: probabilities through ZipMap
-    with pytest.raises(onnxopt.ModelError, match="zipmap"):
-        onnxopt.compile_train_step(onx, loss=dsl.losses.cross_entropy(from_logits=False), output="output_probability")
+    assert "ZipMap" in [n.op_type for n in onx.graph.node]
+    step = onnxopt.compile_train_step(onx, loss=dsl.losses.cross_entropy(from_logits=False), output="output_probability")
+    losses, _ = train(step, X, labels.astype(np.int64))
+    plain = to_onnx(est, X[:1], options={"zipmap": False}, target_opset=OPSET)
+    expected, _ = train(_classifier_step(plain, dsl.losses.cross_entropy(from_logits=False)), X, labels, n_steps=1)
+    np.testing.assert_allclose(losses[0], expected[0], rtol=1e-6)  # the same probabilities as zipmap=False
+    np.testing.assert_allclose(losses[0], log_loss(labels, est.predict_proba(X)), rtol=1e-3)
+    assert losses[-1] < losses[0]
 
 
 @pytest.mark.parametrize("kind", ["mlp_regressor", "mlp_classifier", "sgd_classifier"])

@@ -61,6 +61,10 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
                    help="learning rate: a float or a schedule spec, e.g. invscaling:eta0=0.05 (default: 0.01)")
     p.add_argument("--weights", default=None, help="comma-separated initializers to train (default: every weight)")
     p.add_argument("--output", default=None, help="the model output the loss reads when there are several")
+    p.add_argument("--frozen", default=None, help="comma-separated initializers never trained")
+    p.add_argument("--mode", default="train", choices=["train", "eval"],
+                   help="train: Dropout active, BatchNorm on batch statistics, its running statistics updated; "
+                        "eval: both as at inference (default: train)")
 
 
 def _training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,7 +75,8 @@ def _training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(loss=loss, update=resolve_update(args.update), penalty=resolve_penalty(args.penalty),
                 learning_rate=resolve_schedule(args.lr),
                 weights=args.weights.split(",") if args.weights else None, output=args.output,
-                loss_output=args.loss_output)
+                loss_output=args.loss_output, mode=args.mode,
+                frozen=args.frozen.split(",") if args.frozen else None)
 
 
 def _check_ext(path: str, exts: tuple[str, ...], what: str) -> str:
@@ -120,12 +125,14 @@ def _compile(args: argparse.Namespace) -> int:
 
     kwargs = _training_kwargs(args)
     _check_ext(args.out, (".onnx",), "-o")
-    step = compile_train_step(_check_exists(args.model, "MODEL"), **kwargs)
+    step = compile_train_step(_check_exists(args.model, "MODEL"), portable=args.portable, **kwargs)
     step.save(args.out)
     print(f"wrote {args.out}: {len(step.model.graph.node)} nodes ({_regions(step.model)})")
     print(f"inputs:  {', '.join(i.name for i in step.model.graph.input)}")
     print(f"outputs: {', '.join(o.name for o in step.model.graph.output)}")
     print(f"weights: {', '.join(step.weights)}")
+    if step.buffers:
+        print(f"running statistics: {', '.join(step.buffers)}")
     return 0
 
 
@@ -337,10 +344,14 @@ def _parser() -> argparse.ArgumentParser:
                           epilog="examples:\n  onnxopt compile --list\n"
                                  "  onnxopt compile model.onnx --loss square --update nesterov:momentum=0.9 \\\n"
                                  "      --penalty elastic:l1=0.1,l2=0.9 --lr invscaling:eta0=0.05 -o step.onnx\n"
-                                 "  onnxopt compile with_loss.onnx --loss-output loss --update adam -o step.onnx")
+                                 "  onnxopt compile with_loss.onnx --loss-output loss --update adam -o step.onnx\n"
+                                 "  onnxopt compile model.onnx --loss cross_entropy --portable -o step.onnx")
     comp.add_argument("model", nargs="?", metavar="MODEL.onnx")
     comp.add_argument("-o", dest="out", metavar="STEP.onnx", help="where to write the fused step")
     comp.add_argument("--list", action="store_true", help="list losses, updates, penalties, schedules and exit")
+    comp.add_argument("--portable", action="store_true",
+                      help="standard ONNX only: the step runs on stock onnxruntime (Python 3.13+, onnxruntime-gpu) "
+                           "and onnx.reference, see docs/portable.md")
     _add_training_options(comp)
     comp.set_defaults(func=_compile)
 

@@ -85,17 +85,19 @@ def check_target(y, n: int, dtype, shape: list | None, allow_nan: bool = False) 
             len(tail) == arr.ndim - 1 and all(t is None or t == a for t, a in zip(tail, arr.shape[1:])))
         if not fits:
             raise DataError(f"y: expected shape {[n, *tail]} to match the prediction {list(shape)}, got {arr.shape}")
-    elif dtype == np.int64 and arr.ndim != 1:
-        raise DataError(f"y: expected class labels shaped ({n},), got shape {arr.shape}")
+    elif dtype == np.int64 and arr.shape not in ((n,), (n, 1)):
+        raise DataError(f"y: expected class labels shaped ({n},) or ({n}, 1), got shape {arr.shape}")
     _check_finite(arr, "y", allow_nan)
     return arr
 
 
 def check_sample_weight(sample_weight, n: int, dtype) -> np.ndarray | None:
-    """None, or ``n`` finite non-negative weights, not all zero."""
+    """None, or ``n`` finite non-negative weights (shaped (n,) or (n, 1)), not all zero."""
     if sample_weight is None:
         return None
     arr = as_array(sample_weight, dtype, "sample_weight")
+    if arr.shape == (n, 1):  # NOTE: a column of weights, as onnxcustom took them
+        arr = arr.reshape(n)
     if arr.shape != (n,):
         raise DataError(f"sample_weight: expected shape ({n},) (one per sample of X), got {arr.shape}")
     _check_finite(arr, "sample_weight", None)

@@ -21,9 +21,13 @@ from onnxopt import graphs
 from onnxopt.dsl.check import check_step_functions
 from onnxopt.dsl.core import Loss, Penalty, Schedule, UpdateRule
 from onnxopt.dsl.losses import flat_pair, weighted_mean, weighted_sum
-from onnxopt.errors import DslError, ModelError
+from onnxopt.errors import DslError, ModelError, WeightError
 from onnxopt.gradient import check_weights, gradient_ir
-from onnxopt.modelio import ModelLike, load_model, runtime_limits
+from onnxopt.modelio import ModelLike, load_model, require_training_build, runtime_limits
+from onnxopt.passes.lower import check_portable, lower_training_ops
+from onnxopt.passes.modes import apply_mode, running_updates, split_statistics
+from onnxopt.passes.fuse_update import fuse_update
+from onnxopt.passes.update import is_elementwise, multi_tensor, name_packs
 from onnxopt.rules import widen_float_constants
 from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
 from onnxopt.step import GRAD, NEW, STEP, TrainStep
@@ -164,6 +168,9 @@ def compile_train_step(
     output: str | None = None,
     loss_output: str | None = None,
     external_grad: bool = False,
+    mode: str = "train",
+    frozen: Sequence[str] | None = None,
+    portable: bool = False,
 ) -> TrainStep:
     """Compiles one training step of ``model`` into a single ONNX graph (see ``step.TrainStep`` for its names).
 
@@ -179,8 +186,15 @@ def compile_train_step(
         loss_output: with ``loss=None``, the output holding the loss.
         external_grad: with ``loss=None``, the gradient on ``output`` is an input ``<output>.grad`` given by
             the caller; the step also outputs the prediction ``<output>`` (docs/fused_step.md).
+        mode: "train" (torch's ``module.train()``: Dropout active, BatchNormalization on batch statistics, its
+            running statistics carried as ``TrainStep.buffers``) or "eval" (both as at inference).
+        frozen: initializers never trained, even when ``weights=None`` picks them.
+        portable: lower the training-only ops of the backward graph to standard ONNX (``passes.lower``): the
+            step then runs on stock onnxruntime, onnxruntime-gpu or onnx.reference (docs/portable.md).
     """
+    require_training_build("compile_train_step")
     m = load_model(model)
+    split_statistics(m)  # NOTE: also in the inference model, so export() writes statistics and weights apart
     inference = ir.to_proto(m)
     rule, pen, sched = resolve_update(update), resolve_penalty(penalty), resolve_schedule(learning_rate)
     loss_decl = resolve_loss(loss) if loss is not None else None
@@ -190,7 +204,12 @@ def compile_train_step(
     by_output = loss_decl is not None or external_grad
     y = select_output(m, output if by_output else loss_output, "output" if by_output else "loss_output")
     _keep_only(m, y)
-    names = check_weights(m, weights)
+    stats = apply_mode(m, mode)  # NOTE: after _keep_only, whose unused-output removal would drop Dropout's mask
+    carried = [s.name for s in stats if weights is not None and s.name in weights]
+    if carried:
+        raise WeightError(f"weights: {carried} are BatchNormalization running statistics, carried as state in "
+                          "mode='train', not trained; expected weights, or mode='eval' to keep them as constants")
+    names = check_weights(m, weights, frozen)
     check_step_functions(loss_decl, rule, pen, sched, y, [m.graph.initializers[n] for n in names], m.opset_imports[""])
     initial = {n: m.graph.initializers[n].const_value for n in names}
     for init in inference.graph.initializer:  # NOTE: trained values live in the runner, not twice on disk
@@ -242,19 +261,33 @@ def compile_train_step(
     t = tape.op("CastLike", [step_next, ws[0]])
     lr = graphs.call(fused, sched.fn, [t], sched.call_attrs(), "schedule")[0]
 
-    outputs, out_names, state_names = [], [], []
-    for w, gw in zip(ws, grads):
+    outputs, out_names, state_names, packs, splits = [], [], [], {}, []
+    # NOTE: a stateful elementwise rule runs once on all weights concatenated (docs/fused_step.md): Adam costs
+    # ~13 kernels instead of ~13 per weight; SGD stays per weight, where its Gemm form folds the update in.
+    if rule.state and len(ws) > 1 and all(w.shape is not None and w.shape.is_static() for w in ws) \
+            and is_elementwise(rule):
+        tape.region = "update"
+        outputs, out_names, state_names, packs, splits = multi_tensor(fused, rule, ws, grads, lr, t, tape)
+    for w, gw in zip(ws, grads) if not packs else ():
         states = [graphs.new_input(g, f"{w.name}.{s}", like=w) for s in rule.state]
         state_names += [s.name for s in states]
         args = [w, gw, lr, *states] + ([t] if rule.uses_step else [])
         outputs += graphs.call(fused, rule.fn, args, rule.call_attrs(), f"update/{w.name}", 1 + len(states))
         out_names += [src.name + NEW for src in [w, *states]]
     prediction = [y] if external_grad else []
-    g.outputs.extend([loss_value, *outputs, step_next, *prediction])
+    buffers = running_updates(fused, stats)
+    g.outputs.extend([loss_value, *outputs, step_next, *(v for v, _ in buffers), *prediction])
     for name in names:
         w_values[name].const_value = initial[name]
         g.register_initializer(w_values[name])
-    _finish(fused, ["loss", *out_names, STEP + NEW, *[v.name for v in prediction]], initial[names[0]].dtype)
+    if portable:  # NOTE: before _finish, whose constant folding folds the lowerings' CastLike'd constants
+        lower_training_ops(fused)
+    _finish(fused, ["loss", *out_names, STEP + NEW, *(n for _, n in buffers), *[v.name for v in prediction]],
+            initial[names[0]].dtype)
+    fuse_update(fused)
+    name_packs(packs, splits)
+    if portable:
+        check_portable(fused)
     data_inputs = [v.name for v in m.graph.inputs if v.name not in m.graph.initializers]
     if external_grad:
         target_name = sw_name = None
@@ -267,7 +300,8 @@ def compile_train_step(
     return TrainStep(
         model=ir.to_proto(fused), inputs=data_inputs, target=target_name, sample_weight=sw_name, loss="loss",
         weights=names,
-        state=[*state_names, STEP], target_kind=loss_decl.target if loss_decl else "float",
+        state=[*state_names, STEP], buffers=[s.name for s in stats],
+        target_kind=loss_decl.target if loss_decl else "float",
         inference=inference.SerializeToString(),
         output_grad=y.name + GRAD if external_grad else None, prediction=y.name if external_grad else None,
     )

@@ -18,19 +18,31 @@ import onnx_ir.passes.common as passes
 
 from onnxopt.errors import ModelError, NotDifferentiableError, WeightError
 from onnxopt.modelio import ModelLike, check_protobuf_size, load_model
+from onnxopt.passes.modes import apply_mode
 
 __all__ = ["train_initializers", "gradient_model", "gradient_ir", "FLOAT_TYPES", "agent_model", "TrainingAgent"]
 
 logger = logging.getLogger(__name__)
 
 FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-# Inputs (op_type -> positions) that carry shapes, indices or bounds: a float initializer used only there
-# is a constant, not a weight.
+# Inputs (op_type -> positions) that carry shapes, indices, bounds, statistics, ratios, exponents, thresholds
+# or initial states: a float initializer used only there is a constant, not a weight.
+_COMPARE = {0, 1}
 _NON_WEIGHT_SLOTS = {
     "Reshape": {1}, "Expand": {1}, "Tile": {1}, "Slice": {1, 2, 3, 4}, "Pad": {1, 2, 3}, "Resize": {1, 2, 3},
     "Upsample": {1}, "Clip": {1, 2}, "ConstantOfShape": {0}, "Range": {0, 1, 2}, "OneHot": {1, 2},
     "TopK": {1}, "Squeeze": {1}, "Unsqueeze": {1}, "Gather": {1}, "GatherElements": {1}, "ScatterND": {1},
+    "GatherND": {1}, "ScatterElements": {1}, "Shape": {0}, "Size": {0}, "CumSum": {1}, "Trilu": {1},
+    "BatchNormalization": {3, 4}, "Dropout": {1, 2}, "Pow": {1}, "Where": {0},
+    "Greater": _COMPARE, "Less": _COMPARE, "Equal": _COMPARE, "GreaterOrEqual": _COMPARE, "LessOrEqual": _COMPARE,
+    "RNN": {4, 5}, "GRU": {4, 5}, "LSTM": {4, 5, 6},  # NOTE: sequence lengths and initial states (torch: zeros)
 }
+# NOTE: the dynamo exporter (onnxscript's optimizer) records what it folded an initializer from; one folded
+# only from its temporaries (``val_12``) or the graph's values (a shape) is a computed constant (attention
+# scale, RNN initial state), one folded from a parameter (``linear1.weight`` transposed) a weight.
+_FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
+_TEMPORARY = re.compile(r"val_\d+")
+_UNREACHABLE = re.compile(r"partial derivative for '([^']+)' as it's unreachable")
 _MISSING = re.compile(r"gradient builder has not been registered:\s*(\S+?)(?: for node (\S*))?\s*$", re.M)
 
 
@@ -43,22 +55,38 @@ def _is_unit_constant(value: ir.Value, uses: list) -> bool:
     return all((node.op_type == "Sub" and idx == 0) or node.op_type == "Mul" for node, idx in uses)
 
 
-def _is_weight(value: ir.Value) -> bool:
+def _is_folded_constant(value: ir.Value, computed: set[str]) -> bool:
+    sources = value.metadata_props.get(_FOLDED_FROM)
+    if not sources:
+        return False
+    names = re.findall(r"'([^']*)'", sources)
+    return bool(names) and all(_TEMPORARY.fullmatch(n) or n in computed for n in names)
+
+
+def _is_weight(value: ir.Value, computed: set[str] = frozenset()) -> bool:
+    """A float initializer read as a parameter: not 0-d (exporters' folded scalars: GELU's √2, a scale, a
+    beta), not a dynamo-folded constant, not a ±1 complement, and read at least once outside the slots of
+    ``_NON_WEIGHT_SLOTS``."""
     if value.const_value is None or value.dtype not in FLOAT_TYPES:
         return False
     uses = list(value.uses())
-    if not uses or _is_unit_constant(value, uses):
+    if not uses or value.shape is None or value.shape.rank() == 0 or _is_unit_constant(value, uses) \
+            or _is_folded_constant(value, computed):
         return False
     return any(idx not in _NON_WEIGHT_SLOTS.get(node.op_type, ()) for node, idx in uses)
 
 
 def _weight_names(m: ir.Model) -> list[str]:
-    return [name for name, v in m.graph.initializers.items() if _is_weight(v)]
+    computed = {v.name for node in m.graph for v in node.outputs} | {v.name for v in m.graph.inputs}
+    return [name for name, v in m.graph.initializers.items() if _is_weight(v, computed)]
 
 
 def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
-    """Returns the real weights of ``model``: float initializers not used as shapes, axes, indices or bounds,
-    nor one-element ±1 constants read only as ``1 - x`` or ``x·(±1)`` (pass ``weights=`` to train those).
+    """Returns the real weights of ``model``: float initializers except those read only as shapes, axes,
+    indices, bounds, BatchNormalization statistics, Dropout ratios, Pow exponents, comparison operands or
+    RNN initial states, 0-d scalars, constants the dynamo exporter folded from its temporaries, and
+    one-element ±1 constants read only as ``1 - x`` or ``x·(±1)`` (pass ``weights=`` to train those; see
+    docs/modes.md).
 
     >>> from onnxopt.examples import linear_regression
     >>> sorted(train_initializers(linear_regression(3)))
@@ -68,11 +96,25 @@ def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
     return {name: m.graph.initializers[name].const_value.numpy() for name in _weight_names(m)}
 
 
-def check_weights(m: ir.Model, weights: Sequence[str] | None) -> list[str]:
-    """Validates ``weights`` against the initializers of ``m`` (None = every real weight) and returns them."""
+def _check_frozen(m: ir.Model, frozen: Sequence[str] | None) -> set[str]:
+    frozen = [frozen] if isinstance(frozen, str) else list(frozen or ())
+    unknown = [n for n in frozen if n not in m.graph.initializers]
+    if unknown:
+        raise WeightError(f"frozen: {unknown} are not initializers of the model (expected some of "
+                          f"{sorted(m.graph.initializers)[:20]})")
+    return set(frozen)
+
+
+def check_weights(m: ir.Model, weights: Sequence[str] | None, frozen: Sequence[str] | None = None) -> list[str]:
+    """Validates ``weights`` against the initializers of ``m`` (None = every real weight not ``frozen``) and
+    returns them."""
     inits = m.graph.initializers
+    skip = _check_frozen(m, frozen)
     if weights is None:
-        found = _weight_names(m)
+        found = [n for n in _weight_names(m) if n not in skip]
+        if not found and skip:
+            raise WeightError(f"frozen: {sorted(skip)} leave no weight to train (expected at least one real "
+                              f"weight not frozen, the model has {_weight_names(m)})")
         if not found:
             have = {n: v.dtype.name for n, v in inits.items() if v.dtype is not None}
             raise WeightError("weights: the model has no float initializer to train (expected at least one float "
@@ -98,6 +140,9 @@ def check_weights(m: ir.Model, weights: Sequence[str] | None) -> list[str]:
         out.append(name)
     if len(set(out)) != len(out):
         raise WeightError(f"weights: names repeat in {list(weights)}")
+    both = [n for n in out if n in skip]
+    if both:
+        raise WeightError(f"weights: {both} are also frozen; expected each name in weights= or frozen=, not both")
     return out
 
 
@@ -117,6 +162,9 @@ def _builder_config(weights: Sequence[str], inputs: Sequence[str], initializers:
 def _run_builder(proto: onnx.ModelProto, weights: Sequence[str], inputs: Sequence[str]) -> onnx.ModelProto:
     from onnxruntime.capi import _pybind_state as C
 
+    from onnxopt.passes.decompose import register_gradients
+
+    register_gradients(C)  # NOTE: gradient definitions for ops the builder lacks (Asin, Softplus, Floor...)
     builder = C.OrtModuleGraphBuilder()
     builder.initialize(proto.SerializeToString(), _builder_config(weights, inputs, [i.name for i in proto.graph.initializer]))
     builder.build(C.TrainingGraphTransformerConfiguration())
@@ -131,24 +179,72 @@ def _cut(m: ir.Model, node_name: str, op_type: str) -> bool:
     """
     for node in m.graph:
         if node.op_type == op_type and (node.name == node_name or not node_name):
-            src = next((v for v in node.inputs if v is not None and v.dtype in FLOAT_TYPES), None)
-            tape = ir.tape.Tape()
-            for out in node.outputs:
-                linked = src is not None and out.dtype in (None, src.dtype)
-                new = ir.Value(name=out.name + "__probe", type=out.type or (src.type if linked else None), shape=out.shape)
-                m.graph.inputs.append(new)
-                repl = new
-                if linked:
-                    zero = tape.op("Constant", [], {"value": ir.tensor(0.0, dtype=src.dtype)})
-                    repl = tape.op("Add", [new, tape.op("Mul", [tape.op("ReduceSum", [src], {"keepdims": 0}), zero])])
-                    for n in tape.nodes[-4:]:  # typed, so a later cut can link through this stand-in too
-                        n.outputs[0].type = src.type
-                    repl.shape = out.shape
-                ir.convenience.replace_all_uses_with(out, repl, replace_graph_outputs=True)
-            m.graph.insert_after(node, tape.nodes)
-            m.graph.remove(node, safe=True)
+            _cut_node(m, node)
             return True
     return False
+
+
+def _cut_node(m: ir.Model, node: ir.Node) -> None:
+    floats = [v for v in node.inputs if v is not None and v.dtype in FLOAT_TYPES]
+    src = floats[0] if floats else None
+    tape = ir.tape.Tape()
+    for out in node.outputs:
+        linked = src is not None and out.dtype in (None, src.dtype)
+        new = ir.Value(name=out.name + "__probe", type=out.type or (src.type if linked else None), shape=out.shape)
+        m.graph.inputs.append(new)
+        repl = new
+        if linked:  # NOTE: every float input of the same type stays connected (a weight read only here too)
+            zero = tape.op("Constant", [], {"value": ir.tensor(0.0, dtype=src.dtype)})
+            sums = [tape.op("ReduceSum", [v], {"keepdims": 0}) for v in floats if v.dtype == src.dtype]
+            total = sums[0]
+            for other in sums[1:]:  # NOTE: Add, not Sum: the builder has no gradient for Sum
+                total = tape.op("Add", [total, other])
+            repl = tape.op("Add", [new, tape.op("Mul", [total, zero])])
+            for n in tape.nodes:  # typed, so a later cut can link through this stand-in too
+                n.outputs[0].type = src.type
+            repl.shape = out.shape
+        ir.convenience.replace_all_uses_with(out, repl, replace_graph_outputs=True)
+    m.graph.insert_after(node, tape.nodes)
+    m.graph.remove(node, safe=True)
+
+
+def _builds_without(m: ir.Model, cut: Sequence[int], weights: Sequence[str], inputs: Sequence[str]) -> bool:
+    """Whether the builder succeeds on a copy of ``m`` whose nodes at positions ``cut`` are cut."""
+    probe = ir.from_proto(ir.to_proto(m))
+    nodes = list(probe.graph)
+    for i in cut:
+        _cut_node(probe, nodes[i])
+    try:
+        _run_builder(ir.to_proto(probe), weights, inputs)
+        return True
+    except Exception:  # ORT raises RuntimeError/Fail with the C++ message
+        return False
+
+
+def _failing_node(m: ir.Model, weights: Sequence[str], inputs: Sequence[str]) -> ir.Node | None:
+    """The node whose cut lets the builder succeed, by bisection (log2(n) builder runs; one culprit assumed)."""
+    nodes = list(m.graph)
+    candidates = [i for i, n in enumerate(nodes) if n.op_type != "Constant" and n.outputs
+                  and all(o.dtype is not None for o in n.outputs)
+                  and any(v is not None and v.dtype in FLOAT_TYPES for v in n.inputs)]
+    if not candidates or not _builds_without(m, candidates, weights, inputs):
+        return None
+    while len(candidates) > 1:
+        half = candidates[: len(candidates) // 2]
+        candidates = half if _builds_without(m, half, weights, inputs) else candidates[len(half):]
+    return nodes[candidates[0]] if _builds_without(m, candidates, weights, inputs) else None
+
+
+def _fix(node: ir.Node, weights: Sequence[str]) -> str:
+    """What the user can change for a node the builder fails on."""
+    if node.op_type in ("BatchNormalization", "Dropout"):
+        return "compile_train_step(mode='train' or 'eval') rewrites this op"
+    trained = [v.name for v in node.inputs[1:] if v is not None and v.name in weights]
+    if trained:
+        return (f"if {trained} are not parameters, leave them out with frozen={trained} (or list the weights "
+                "with weights=)")
+    return ("export the model with another opset (torch.onnx.export(..., opset_version=18)) or rewrite this op "
+            "into differentiable ones")
 
 
 def _missing_gradients(m: ir.Model, weights: Sequence[str], inputs: Sequence[str]) -> list[tuple[str, str]]:
@@ -172,7 +268,11 @@ def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = 
     from onnxopt.rules import lower_for_gradient
 
     check_protobuf_size(m, "onnxruntime-training's gradient builder")
-    m = lower_for_gradient(ir.from_proto(ir.to_proto(m)))
+    m = ir.from_proto(ir.to_proto(m))
+    # NOTE: BatchNormalization and Dropout as written; ORT's builder would swap in a kernel that writes the
+    # running statistics in place (compile_train_step applies its mode= before, so none are left then)
+    apply_mode(m, None)
+    m = lower_for_gradient(m)
     proto = ir.to_proto(m)
     try:
         return ir.from_proto(_run_builder(proto, weights, inputs))
@@ -185,7 +285,21 @@ def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = 
                 "expected ops with a gradient builder (rewrite these ops or register a gradient definition)",
                 missing,
             ) from exc
-        raise ModelError(f"model: onnxruntime-training could not build the gradient graph: {exc}") from exc
+        unreachable = _UNREACHABLE.search(str(exc))
+        if unreachable and unreachable.group(1) in m.graph.initializers:
+            name = unreachable.group(1)
+            readers = [f"{n.op_type} node {n.name!r}" for n, _ in m.graph.initializers[name].uses()]
+            where = f"read only by {readers}" if readers else "it does not reach the output"
+            raise WeightError(f"weights: {name!r} gets no gradient ({where}); expected a parameter: leave it "
+                              f"out with frozen=[{name!r}] or weights=") from exc
+        node = _failing_node(m, weights, inputs)
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        reason = re.sub(r"^\S+\.cc:\d+ (.*?\) (const )?)?", "", reason)[:300]  # NOTE: ORT's C++ location
+        if node is None:
+            raise ModelError(f"model: onnxruntime-training could not build the gradient graph: {exc}") from exc
+        raise ModelError(f"model: onnxruntime-training could not differentiate {node.op_type} node {node.name!r} "
+                         f"(inputs {[v.name if v is not None else '' for v in node.inputs]}): {reason}; expected a "
+                         f"node the builder differentiates: {_fix(node, weights)}") from exc
 
 
 def _yield_rewrite(g: ir.Graph, keep_outputs: bool, fill_grad: bool) -> list[ir.Value]:

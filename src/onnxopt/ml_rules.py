@@ -10,15 +10,23 @@ coefficients are initializers (weights to train), computing the same outputs:
   whatever the post_transform), else ``s`` / ``Sigmoid(s)`` / ``Softmax(s)`` for post_transform NONE /
   LOGISTIC / SOFTMAX; the label output: ``Where(s > 0, labels[1], labels[0])`` or ``labels[ArgMax(s)]``.
   PROBIT and SOFTMAX_ZERO are left alone (then reported by ``NotDifferentiableError``).
+- ``Normalizer(X, norm)`` -> ``X / ReduceSum(|X|)`` (L1), ``X / Sqrt(ReduceSum(X²))`` (L2), ``X / ReduceMax(X)``
+  (MAX) along axis 1; ``Scaler(X)`` -> ``(X - offset) · scale``.
+
+``drop_zipmap`` (applied by ``modelio.load_model`` before anything else) removes a ``ZipMap`` that ends the
+graph (skl2onnx's default for classifiers): the probabilities tensor it reads becomes the graph output, under
+the ZipMap's output name (``output_probability``), shape (N, classes) instead of a list of dicts;
+``restore_zipmap`` puts it back in the exported model (``Runner.export``).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
 
-__all__ = ["ml_rules", "lower_ml_ops"]
+__all__ = ["ml_rules", "lower_ml_ops", "drop_zipmap", "restore_zipmap"]
 
 
 ML_DOMAIN = "ai.onnx.ml"
@@ -115,16 +123,122 @@ def _linear_classifier_lowered(op, x, label, scores):
     return y, z
 
 
+def _normalizer(op, x):
+    return op.Normalizer(x, _domain=ML_DOMAIN, _allow_other_attributes=True, _outputs=["out"])
+
+
+def _normalizer_check(context, x, out, **_) -> MatchResult:
+    result = MatchResult()
+    norm = out.producer().attributes.get_string("norm", "MAX")
+    return result if norm in ("L1", "L2", "MAX") else result.fail(f"Normalizer: norm {norm!r} is not lowered")
+
+
+def _normalizer_lowered(op, x, out):
+    norm = out.producer().attributes.get_string("norm", "MAX")
+    xf = x if x.dtype == ir.DataType.FLOAT else op.Cast(x, to=ir.DataType.FLOAT)
+    axes = op.Constant(value_ints=[1])
+    if norm == "L1":
+        return op.Div(xf, op.ReduceSum(op.Abs(xf), axes, keepdims=1))
+    if norm == "L2":
+        return op.Div(xf, op.Sqrt(op.ReduceSum(op.Mul(xf, xf), axes, keepdims=1)))
+    return op.Div(xf, op.ReduceMax(xf, axes, keepdims=1))
+
+
+def _scaler(op, x):
+    return op.Scaler(x, _domain=ML_DOMAIN, _allow_other_attributes=True, _outputs=["out"])
+
+
+def _scaler_lowered(op, x, out):
+    node = out.producer()
+    xf = x if x.dtype == ir.DataType.FLOAT else op.Cast(x, to=ir.DataType.FLOAT)
+    offset = np.asarray(node.attributes.get_floats("offset", [0.0]), dtype=np.float32)
+    scale = np.asarray(node.attributes.get_floats("scale", [1.0]), dtype=np.float32)
+    return op.Mul(op.Sub(xf, op.Constant(value=ir.tensor(offset))), op.Constant(value=ir.tensor(scale)))
+
+
+_ZIPMAP_KEY = "onnxopt.zipmap"
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # NOTE: a model onnx cannot infer: the probabilities are then taken as float
+        return {}
+    return {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info if v.type.HasField("tensor_type")}
+
+
+def drop_zipmap(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph-ending ZipMap nodes are removed, their input renamed to their output;
+    the node and the output type are kept in the model's metadata for ``restore_zipmap``. ``model`` itself
+    when it has none."""
+    ends = {o.name for o in model.graph.output}
+    if not any(n.op_type == "ZipMap" and n.output[0] in ends for n in model.graph.node):
+        return model
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    outputs = {o.name: o for o in graph.output}
+    types = _elem_types(model)
+    for node in [n for n in graph.node if n.op_type == "ZipMap" and n.domain == ML_DOMAIN and n.output[0] in outputs]:
+        source, name = node.input[0], node.output[0]
+        dtype = types.get(source) or onnx.TensorProto.FLOAT
+        kept, declared = [node], onnx.ValueInfoProto()
+        declared.CopyFrom(outputs[name])
+        if dtype != onnx.TensorProto.FLOAT:  # NOTE: ZipMap reads float only (skl2onnx float64 models fail to load)
+            to = onnx.AttributeProto(name="to", type=onnx.AttributeProto.INT, i=onnx.TensorProto.FLOAT)
+            kept = [onnx.NodeProto(op_type="Cast", input=[source], output=[source + "_float"], attribute=[to]),
+                    onnx.NodeProto(op_type="ZipMap", domain=ML_DOMAIN, input=[source + "_float"], output=[name],
+                                   attribute=node.attribute)]
+            if declared.type.HasField("sequence_type"):
+                declared.type.sequence_type.elem_type.map_type.value_type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+        saved = onnx.GraphProto(node=kept, output=[declared]).SerializeToString().hex()
+        model.metadata_props.add(key=f"{_ZIPMAP_KEY}.{name}", value=saved)
+        graph.node.remove(node)
+        for other in graph.node:
+            other.input[:] = [name if i == source else i for i in other.input]
+            other.output[:] = [name if o == source else o for o in other.output]
+        for out in graph.output:
+            if out.name == source:  # NOTE: the probabilities were an output too: keep one
+                graph.output.remove(out)
+                break
+        out = outputs[name]
+        out.type.Clear()
+        out.type.tensor_type.elem_type = dtype
+    return model
+
+
+def restore_zipmap(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Puts back in place (in ``model``) the ZipMap nodes ``drop_zipmap`` removed; returns ``model``."""
+    for prop in [p for p in model.metadata_props if p.key.startswith(_ZIPMAP_KEY + ".")]:
+        saved = onnx.GraphProto.FromString(bytes.fromhex(prop.value))
+        source, output = saved.node[0].input[0], saved.output[0]
+        for other in model.graph.node:
+            other.input[:] = [source if i == output.name else i for i in other.input]
+            other.output[:] = [source if o == output.name else o for o in other.output]
+        model.graph.node.extend(saved.node)
+        for out in model.graph.output:
+            if out.name == output.name:
+                out.CopyFrom(output)
+        model.metadata_props.remove(prop)
+        if not any(imp.domain == ML_DOMAIN for imp in model.opset_import):
+            model.opset_import.add(domain=ML_DOMAIN, version=1)
+    return model
+
+
 ml_rules = RewriteRuleSet([
     RewriteRule(_linear_regressor, _linear_regressor_lowered, _linear_regressor_check,
                 name="LinearRegressorToMatMulAdd"),
     RewriteRule(_linear_classifier, _linear_classifier_lowered, _linear_classifier_check,
                 name="LinearClassifierToMatMulAdd"),
+    RewriteRule(_normalizer, _normalizer_lowered, _normalizer_check, name="NormalizerToDiv"),
+    RewriteRule(_scaler, _scaler_lowered, name="ScalerToSubMul"),
 ])
+
+
+_LOWERED = ("LinearRegressor", "LinearClassifier", "Normalizer", "Scaler")
 
 
 def lower_ml_ops(model: ir.Model) -> ir.Model:
     """Applies ``ml_rules`` in place when the graph holds one of their ``ai.onnx.ml`` ops; returns ``model``."""
-    if any(n.domain == ML_DOMAIN and n.op_type in ("LinearRegressor", "LinearClassifier") for n in model.graph):
+    if any(n.domain == ML_DOMAIN and n.op_type in _LOWERED for n in model.graph):
         ml_rules.apply_to_model(model)
     return model

@@ -12,7 +12,7 @@ import onnxruntime
 
 from onnxopt.errors import ModelError, ModelFormatError, ModelVersionError
 
-__all__ = ["ModelLike", "load_model", "runtime_limits", "DSL_OPSET", "PROTOBUF_LIMIT", "check_protobuf_size"]
+__all__ = ["ModelLike", "load_model", "require_training_build", "runtime_limits", "DSL_OPSET", "PROTOBUF_LIMIT", "check_protobuf_size"]
 
 ModelLike = Union[onnx.ModelProto, ir.Model, str, os.PathLike]
 
@@ -28,6 +28,22 @@ def runtime_limits() -> tuple[int, int]:
     """Returns (max IR version, max opset) of the installed onnxruntime."""
     major, minor = (int(x) for x in onnxruntime.__version__.split(".")[:2])
     return _LIMITS.get((major, minor), (10, 21))
+
+
+def require_training_build(what: str) -> None:
+    """Raises ImportError when the installed onnxruntime lacks the gradient builder of onnxruntime-training."""
+    # NOTE: an attribute check on the module onnxruntime already loaded; gradient.py alone calls the builder
+    if getattr(onnxruntime.capi._pybind_state, "OrtModuleGraphBuilder", None) is not None:
+        return
+    import sys
+
+    raise ImportError(
+        f"{what}: compiling needs onnxruntime-training's gradient builder, found onnxruntime "
+        f"{onnxruntime.__version__} without it (Python {sys.version_info.major}.{sys.version_info.minor}; "
+        "onnxruntime-training has wheels for CPython <= 3.12 only). Compile on Python <= 3.12 "
+        "(pip install onnxopt brings onnxruntime-training-cpu) with compile_train_step(..., portable=True) or "
+        "`onnxopt compile --portable`, save the .onnx and load it here with TrainStep.load, Runner or "
+        "Trainer(step); see docs/portable.md")
 
 
 def load_model(model: ModelLike, name: str = "model") -> ir.Model:
@@ -49,6 +65,10 @@ def load_model(model: ModelLike, name: str = "model") -> ir.Model:
     if not model.HasField("graph") or model.ir_version < 1:
         raise ModelFormatError(f"{name}: not an ONNX model (expected a ModelProto with a graph and an IR "
                                f"version, got ir_version={model.ir_version}, graph={model.HasField('graph')})")
+    if any(n.op_type == "ZipMap" for n in model.graph.node):
+        from onnxopt.ml_rules import drop_zipmap  # NOTE: skl2onnx's default: probabilities as a list of dicts
+
+        model = drop_zipmap(model)
     max_ir, max_opset = runtime_limits()
     opset = _default_opset(model, name)
     try:

@@ -131,11 +131,15 @@ rules = RewriteRuleSet([RewriteRule(_castlike, _cast, _castlike_known, name="Cas
 
 
 def lower_for_gradient(model: ir.Model) -> ir.Model:
-    """Infers types, then applies ``rules`` in place; returns ``model``."""
+    """Infers types, decomposes the ops the builder lacks (``passes.decompose``), then applies ``rules`` in
+    place; returns ``model``."""
+    from onnxopt.passes.decompose import decompose
+
     try:
         passes.ShapeInferencePass()(model)
     except Exception:  # NOTE: inference fails on some contrib ops; the rules then match less, nothing breaks
         pass
+    decompose(model)
     rules.apply_to_model(model)
     _split_repeated_inputs(model.graph)
     return model

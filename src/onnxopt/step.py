@@ -3,10 +3,12 @@
 Naming convention of the fused graph (also in docs/fused_step.md):
 inputs  = model inputs, ``target``, ``sample_weight`` (weighted losses), each weight ``W``, each state
           ``W.<state>`` (e.g. ``W.velocity``) and the step counter ``optim.step`` (int64 scalar, steps done);
-outputs = ``loss``, then ``W.new``, ``W.<state>.new``, ``optim.step.new``.
+          and each running statistic ``S`` of a BatchNormalization in mode="train" (``bn.running_mean``);
+outputs = ``loss``, then ``W.new``, ``W.<state>.new``, ``optim.step.new``, ``S.new``.
 With ``external_grad=True`` the input ``<output>.grad`` replaces ``target``/``sample_weight`` and the
 prediction ``<output>`` is the last output.
-Weights keep the model's values as initializers (defaults), so a session can start from them.
+Weights and running statistics keep the model's values as initializers (defaults), so a session can start
+from them. Running statistics are ``TrainStep.buffers``, not optimizer state (``TrainStep.state``).
 """
 
 from __future__ import annotations
@@ -45,16 +47,24 @@ class TrainStep:
     inference: bytes = b""  # the user's inference model, weights stripped (see ``Runner.export``)
     output_grad: str | None = None  # external_grad=True: the input ``<output>.grad``
     prediction: str | None = None  # external_grad=True: the model output the step also returns
+    buffers: list[str] = dataclasses.field(default_factory=list)  # running statistics carried in mode="train"
 
     @property
     def carry(self) -> dict[str, str]:
         """Input name -> output name of every tensor carried from one step to the next."""
-        return {name: name + NEW for name in [*self.weights, *self.state]}
+        return {name: name + NEW for name in [*self.weights, *self.buffers, *self.state]}
+
+    def _initial(self, names: list[str]) -> dict[str, np.ndarray]:
+        inits = {t.name: t for t in self.model.graph.initializer}
+        return {name: ir.serde.deserialize_tensor(inits[name]).numpy() for name in names}
 
     def initial_weights(self) -> dict[str, np.ndarray]:
         """The weights the fused model starts from (the original model's values)."""
-        inits = {t.name: t for t in self.model.graph.initializer}
-        return {name: ir.serde.deserialize_tensor(inits[name]).numpy() for name in self.weights}
+        return self._initial(self.weights)
+
+    def initial_buffers(self) -> dict[str, np.ndarray]:
+        """The running statistics the fused model starts from (the original model's values)."""
+        return self._initial(self.buffers)
 
     def _metadata(self) -> str:
         fields = dataclasses.asdict(self)

@@ -26,6 +26,7 @@ from onnxopt.fuse import compile_train_step
 from onnxopt.loss_output import add_loss_output
 from onnxopt.resolve import resolve_loss
 from onnxopt.runner import Runner, default_session_options
+from onnxopt.step import _KEY as STEP_KEY, TrainStep
 
 __all__ = ["Trainer"]
 
@@ -35,24 +36,31 @@ _CHECKPOINT, _KIND = "trainer.ckpt", "onnxopt.Trainer"
 class Trainer:
     """Trains ``model`` (an ONNX model or path) like a scikit-learn estimator.
 
+    ``model`` may also be a step compiled elsewhere (a ``TrainStep`` or the path of a saved one, e.g. a portable
+    step on Python 3.13+): it is trained as compiled, pass the ``loss`` it was compiled with (for classes and
+    scores); ``update``, ``penalty``, ``learning_rate``, ``weights``, ``mode`` and ``frozen`` are then unused.
+
     Classifiers are recognised by their loss: ``log`` (binary, labels of two classes) and ``cross_entropy``
     (labels of any classes, kept in ``classes_``); ``score`` is then the accuracy, else R².
     ``train_losses_`` holds the mean training loss of each epoch (penalty included),
     ``validation_losses_`` the loss on the held-out fraction when ``early_stopping`` is set (penalty
     excluded); training stops when that loss (or the training loss) has not improved by ``tol`` for more
     than ``n_iter_no_change`` epochs, like scikit-learn's MLP. ``tol=None`` runs all ``max_iter`` epochs.
+    ``mode`` ("train" or "eval") and ``frozen`` go to ``compile_train_step``; in mode "train" the running
+    statistics of BatchNormalization are updated and written into ``trained_model_``.
     """
 
     def __init__(self, model, loss="square", update="sgd", penalty=None, learning_rate=1e-2, batch_size=32,
                  max_iter=100, shuffle=True, random_state=0, device="cpu", early_stopping=False,
                  validation_fraction=0.1, n_iter_no_change=5, tol=1e-4, verbose=0, weights=None, output=None,
-                 loss_output=None, warm_start=False, checkpoint_dir=None, allow_nan=False):
+                 loss_output=None, warm_start=False, checkpoint_dir=None, allow_nan=False, mode="train", frozen=None):
         self.model, self.loss, self.update, self.penalty = model, loss, update, penalty
         self.learning_rate, self.batch_size, self.max_iter, self.shuffle = learning_rate, batch_size, max_iter, shuffle
         self.random_state, self.device, self.early_stopping = random_state, device, early_stopping
         self.validation_fraction, self.n_iter_no_change, self.tol = validation_fraction, n_iter_no_change, tol
         self.verbose, self.weights, self.output, self.loss_output = verbose, weights, output, loss_output
         self.warm_start, self.checkpoint_dir, self.allow_nan = warm_start, checkpoint_dir, allow_nan
+        self.mode, self.frozen = mode, frozen
 
     # -- scikit-learn protocol ---------------------------------------------------------------------------
     @classmethod
@@ -110,9 +118,14 @@ class Trainer:
         return Runner(self.train_step_, device=self.device, batch_size=batch)
 
     def _initialize(self) -> None:
-        self.train_step_ = compile_train_step(
+        saved = _saved_step(self.model)
+        self.train_step_ = saved or compile_train_step(
             self.model, loss=self.loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
-            weights=self.weights, output=self.output, loss_output=self.loss_output)
+            weights=self.weights, output=self.output, loss_output=self.loss_output, mode=self.mode,
+            frozen=self.frozen)
+        if saved is not None and self.loss is not None and resolve_loss(self.loss).target != saved.target_kind:
+            raise ModelError(f"loss: the saved step takes {saved.target_kind!r} targets, loss {self.loss!r} takes "
+                             f"{resolve_loss(self.loss).target!r} ones; pass the loss the step was compiled with")
         self.runner_ = self._make_runner()
         self._loss = resolve_loss(self.loss) if self.loss is not None else None
         self._kind = _task(self._loss)
@@ -129,7 +142,7 @@ class Trainer:
         """The prediction session, its weights inputs bound to the runner's OrtValues at each call."""
         exported = self.runner_.export()
         out = _prediction_output(exported, self.output, self.loss_output if self._loss is None else None)
-        self._predictor = _session(exported, [out], self.train_step_.weights, self.runner_.dtype)
+        self._predictor = _session(exported, [out], self._bound(), self.runner_.dtype)
         pred = next(o for o in self._predictor.get_outputs() if o.name == out)
         self._y_shape, self._out = pred.shape, out
 
@@ -138,17 +151,21 @@ class Trainer:
         if self._evaluator is None:
             exported = self.runner_.export()
             if self._loss is None:
-                self._evaluator = _session(exported, [self.loss_output], self.train_step_.weights, self.runner_.dtype)
+                self._evaluator = _session(exported, [self.loss_output], self._bound(), self.runner_.dtype)
             else:
                 with_loss = add_loss_output(exported, self._loss, output=self.output)
-                self._evaluator = _session(with_loss, ["loss"], self.train_step_.weights, self.runner_.dtype)
+                self._evaluator = _session(with_loss, ["loss"], self._bound(), self.runner_.dtype)
         return self._evaluator
+
+    def _bound(self) -> list[str]:
+        """The runner's tensors a prediction reads: weights and running statistics (mode="train")."""
+        return [*self.train_step_.weights, *getattr(self.train_step_, "buffers", [])]
 
     def _run(self, session: ort.InferenceSession, feeds: dict) -> np.ndarray:
         binding = session.io_binding()
         current = self.runner_.current_values()
         names = {i.name for i in session.get_inputs()}
-        for name in self.train_step_.weights:
+        for name in self._bound():
             binding.bind_ortvalue_input(name, current[name])
         for name, value in feeds.items():
             if name in names and value is not None:
@@ -176,9 +193,15 @@ class Trainer:
 
     def _encode(self, y, n: int, fit: bool) -> np.ndarray:
         """Class labels -> what the loss reads (indices, 0/1 or one-hot); regression targets as they are."""
+        if self._loss is None:  # NOTE: the model computes its own loss: y goes in as its target input declares it
+            kind = next(i.type for i in self.runner_.session.get_inputs() if i.name == self.train_step_.target)
+            dtype = {"tensor(int64)": np.int64, "tensor(double)": np.float64}.get(kind, np.float32)
+            return check_target(y, n, dtype, None, self.allow_nan)
         if self._kind == "regression":
             return check_target(y, n, self.runner_.dtype, self._y_shape, self.allow_nan)
         labels = np.asarray(y)
+        if labels.ndim == 2 and labels.shape[1] == 1:  # NOTE: a column of labels, as onnxcustom took them
+            labels = labels.reshape(-1)
         if labels.ndim != 1 or labels.shape[0] != n:
             raise DataError(f"y: expected {n} class labels shaped ({n},), got shape {labels.shape}")
         if fit and not hasattr(self, "classes_"):
@@ -367,6 +390,18 @@ class Trainer:
         return float(np.mean(1 - res / np.where(tot == 0, 1, tot)))
 
 
+def _saved_step(model) -> TrainStep | None:
+    """``model`` as a compiled step: a TrainStep, or the path of one saved by ``TrainStep.save``; else None."""
+    if isinstance(model, TrainStep):
+        return model
+    if isinstance(model, (str, os.PathLike)) and os.path.isfile(model):
+        # NOTE: the metadata alone, without the weights (external data), says whether it is a step
+        meta = onnx.load(os.fspath(model), load_external_data=False).metadata_props
+        if any(p.key == STEP_KEY for p in meta):
+            return TrainStep.load(model)
+    return None
+
+
 def _task(loss) -> str:
     if loss is None or loss.name not in ("log", "cross_entropy"):
         return "regression"
@@ -401,7 +436,9 @@ def _prediction_output(model: onnx.ModelProto, output: str | None, loss_output: 
 
 def _session(model: onnx.ModelProto, outputs: list[str], weights: list[str], dtype) -> ort.InferenceSession:
     """A session computing ``outputs`` only, with ``weights`` as overridable inputs."""
-    m = ir.serde.deserialize_model(model)
+    from onnxopt.ml_rules import drop_zipmap  # NOTE: predictions read the probabilities, not ZipMap's dicts
+
+    m = ir.serde.deserialize_model(drop_zipmap(model))
     keep = [v for v in m.graph.outputs if v.name in outputs]
     m.graph.outputs.clear()
     m.graph.outputs.extend(keep)

@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
         "Time onnxopt's fused training step against PyTorch (eager, torch.compile), ORT on-device training "
         "and scikit-learn on the same data, model and initial weights; write a markdown page and PNG plots."))
     p.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS, metavar="NAME",
-                   help="W1 (its 3 optimizers), W1-sgd, W1-nesterov, W1-adam, W2, W3, W4, W5, scaling")
+                   help="W1 (its 3 optimizers), W1-sgd, W1-nesterov, W1-adam, W2, W3, W4, W5, scaling, batch-<B>, width-<w>")
     p.add_argument("--quick", action="store_true",
                    help="2 rounds of 1 epoch, no torch.compile: a smoke run, not a measurement")
     p.add_argument("--rounds", type=int, default=None,

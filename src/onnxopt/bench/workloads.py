@@ -49,8 +49,8 @@ class Workload:
 
     @property
     def threads(self) -> int:
-        """The thread count onnxopt's Runner picks (one below 1M parameters); every competitor gets the same."""
-        return 1 if self.n_parameters < 1_000_000 else (os.cpu_count() or 1)
+        """The thread count onnxopt's Runner picks (one below 1M parameters × batch); every competitor gets it."""
+        return 1 if self.n_parameters * self.batch < 1_000_000 else (os.cpu_count() or 1)
 
     @property
     def flops(self) -> float:
@@ -117,7 +117,8 @@ def scaling_width(width: int) -> Workload:
 
 
 def select(names: list[str]) -> list[Workload]:
-    """Workloads by name; "W1" means its three optimizers, "scaling" every scaling point."""
+    """Workloads by name; "W1" means its three optimizers, "scaling" every scaling point, "batch-B" and
+    "width-w" one of them (any B or w)."""
     out = []
     for name in names:
         if name == "scaling":
@@ -126,7 +127,9 @@ def select(names: list[str]) -> list[Workload]:
             out.append(WORKLOADS[name])
         elif [k for k in WORKLOADS if k.startswith(name + "-")]:
             out += [w for k, w in WORKLOADS.items() if k.startswith(name + "-")]
+        elif name.startswith(("batch-", "width-")) and name.split("-", 1)[1].isdigit() and int(name.split("-")[1]) > 0:
+            out.append((scaling_batch if name.startswith("batch-") else scaling_width)(int(name.split("-")[1])))
         else:
             raise DataError(f"--workloads: unknown workload {name!r}; expected one of "
-                             f"{sorted(WORKLOADS) + ['W1', 'scaling']}")
+                             f"{sorted(WORKLOADS) + ['W1', 'scaling', 'batch-<B>', 'width-<w>']}")
     return out

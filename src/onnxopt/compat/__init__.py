@@ -21,15 +21,25 @@ the batch in ``add_loss_output`` graphs. See docs/migration.md for what differs.
 """
 
 from onnxopt.compat._graphs import (
-    DerivativeOptions, add_loss_output, get_train_initializer, onnx_derivative, onnx_rename_weights,
+    DerivativeOptions, QuantizedWeightError, add_loss_output, get_train_initializer, onnx_derivative,
+    onnx_rename_weights,
 )
 from onnxopt.compat._learning import (
-    AbsoluteLearningLoss, ElasticLearningLoss, ElasticLearningPenalty, LearningRateSGD, LearningRateSGDNesterov,
-    NegLogLearningLoss, NoLearningPenalty, SquareLearningLoss,
+    AbsoluteLearningLoss, BaseLearningLoss, BaseLearningPenalty, BaseLearningRate, ElasticLearningLoss,
+    ElasticLearningPenalty, LearningRateSGD, LearningRateSGDNesterov, NegLogLearningLoss, NoLearningPenalty,
+    SquareLearningLoss,
 )
-from onnxopt.compat._optimizers import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
+from onnxopt.compat._optimizers import ConvergenceWarning, OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
+from onnxopt.errors import ConvergenceError
+
+
+def device_to_providers(device: str) -> list[str]:
+    """onnxcustom's helper: the onnxruntime providers of 'cpu' or 'cuda'."""
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"] if "cuda" in str(device) else ["CPUExecutionProvider"]
+
 
 __all__ = ["OrtGradientForwardBackwardOptimizer", "OrtGradientOptimizer", "LearningRateSGD", "LearningRateSGDNesterov",
            "SquareLearningLoss", "AbsoluteLearningLoss", "ElasticLearningLoss", "NegLogLearningLoss",
            "NoLearningPenalty", "ElasticLearningPenalty", "get_train_initializer", "add_loss_output", "onnx_derivative",
-           "DerivativeOptions", "onnx_rename_weights"]
+           "DerivativeOptions", "onnx_rename_weights", "BaseLearningRate", "BaseLearningLoss", "BaseLearningPenalty",
+           "ConvergenceError", "ConvergenceWarning", "QuantizedWeightError", "device_to_providers"]

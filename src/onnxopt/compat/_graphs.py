@@ -13,8 +13,8 @@ import onnx_ir.passes.common as passes
 
 from onnxopt import loss_output
 from onnxopt.dsl import losses
-from onnxopt.errors import DslError, ModelError
-from onnxopt.gradient import FLOAT_TYPES, build_gradient, check_weights, gradient_model, train_initializers
+from onnxopt.errors import DslError, ModelError, WeightError
+from onnxopt.gradient import FLOAT_TYPES, build_gradient, check_weights, gradient_ir, train_initializers
 from onnxopt.modelio import ModelLike, load_model
 
 __all__ = ["add_loss_output", "get_train_initializer", "onnx_derivative", "DerivativeOptions",
@@ -59,58 +59,103 @@ def _penalty_terms(tape: ir.tape.Tape, g: ir.Graph, penalty: Mapping, dtype: np.
 def add_loss_output(onx: ModelLike, score_name: str = "squared_error", loss_name: str = "loss",
                     label_name: str = "label", weight_name: str | None = None, penalty: Mapping | None = None,
                     output_index: int | str | None = None, **kwargs) -> onnx.ModelProto:
-    """Adds input ``label_name`` (and ``weight_name``) and a first output ``loss_name`` = Σ_i w_i·loss_i over
-    the batch (onnxcustom sums, the optimizer divides the learning rate by the batch size), plus
-    ``penalty`` = ``{weight: {'l1': a, 'l2': b}}`` terms a·Σ|w| + b·Σw².
+    """Adds input ``label_name`` (and ``weight_name``) and a first output ``loss_name`` shaped (1, 1), as in
+    onnxcustom: Σ_i w_i·loss_i over the batch (the optimizer divides the learning rate by the batch size),
+    plus ``penalty`` = ``{weight: {'l1': a, 'l2': b}}`` terms a·Σ|w| + b·Σw².
 
-    ``score_name``: 'squared_error' ('l2'), 'absolute_error' ('l1') or 'elastic' (``l1_weight``,
-    ``l2_weight`` in kwargs, 0.5 each by default).
+    ``score_name``: 'squared_error' ('l2'), 'absolute_error' ('l1'), 'elastic' (``l1_weight``, ``l2_weight``
+    in kwargs, 0.5 each by default) or 'log': binary log loss on a probability output with two columns and
+    int64 labels (N, 1), probabilities clipped to [eps, 1 − eps] (``eps``, 1e-6 by default), averaged over
+    the batch as onnxcustom did.
 
     >>> from onnxopt.examples import linear_regression
     >>> m = add_loss_output(linear_regression(2), penalty={"coef": {"l2": 0.01}})
     >>> [i.name for i in m.graph.input], [o.name for o in m.graph.output]
     (['X', 'label'], ['loss', 'Y'])
     """
-    if score_name not in _SCORES:
-        raise DslError(f"score_name: expected one of {sorted(_SCORES)}, got {score_name!r}")
-    extra = set(kwargs) - ({"l1_weight", "l2_weight"} if score_name == "elastic" else set())
+    if score_name not in _SCORES and score_name != "log":
+        raise DslError(f"score_name: expected one of {sorted([*_SCORES, 'log'])}, got {score_name!r}")
+    allowed = {"elastic": {"l1_weight", "l2_weight"}, "log": {"eps"}}.get(_SCORES.get(score_name, score_name), set())
+    extra = set(kwargs) - allowed
     if extra:
         raise DslError(f"add_loss_output: unexpected arguments {sorted(extra)} for score_name={score_name!r}")
-    if _SCORES[score_name] == "elastic":
-        loss = losses.elastic(l1=kwargs.get("l1_weight", 0.5), l2=kwargs.get("l2_weight", 0.5), reduction="sum")
-    else:
-        loss = losses.LOSSES[_SCORES[score_name]](reduction="sum")
     m = load_model(onx)
     outputs = [v.name for v in m.graph.outputs]
     if output_index is None and len(outputs) != 1:
         raise ModelError(f"output_index: the model has {len(outputs)} outputs {outputs}; pass output_index= to pick one")
     output = output_index if isinstance(output_index, str) or output_index is None else outputs[output_index]
+    produced = {o.name: o for n in m.graph for o in n.outputs}
+    if label_name in produced:  # NOTE: onnxcustom renamed a result called like the label input ('label' of classifiers)
+        produced[label_name].name = f"_{label_name}_"
     taken = {v.name for v in m.graph.inputs} | set(m.graph.initializers) | {o.name for n in m.graph for o in n.outputs}
     for what, name in (("label_name", label_name), ("loss_name", loss_name), ("weight_name", weight_name)):
         if name is not None and name in taken:
             raise ModelError(f"{what}: {name!r} is already a name in the model; pick another one")
+    if score_name == "log":
+        lm = _log_loss(m, output or outputs[0], label_name, weight_name, kwargs.get("eps", 1e-6))
+    else:
+        lm = _score_loss(m, score_name, output, label_name, weight_name, kwargs)
+    g = lm.graph
+    value = g.outputs[0]
+    tape = ir.tape.Tape(g)
+    value.name = f"{loss_name}/without_penalty"
+    if penalty:
+        for term in _penalty_terms(tape, g, penalty, value.dtype.numpy()):
+            value = tape.op("Add", [value, term])
+    shape = tape.op("Constant", [], {"value": ir.tensor(np.array([1, 1], np.int64))})
+    g.outputs[0] = value = tape.op("Reshape", [value, shape])  # NOTE: onnxcustom's loss output is (1, 1)
+    value.name, value.shape, value.dtype = loss_name, ir.Shape([1, 1]), g.inputs[0].dtype
+    return ir.to_proto(lm)
+
+
+def _score_loss(m: ir.Model, score_name: str, output, label_name: str, weight_name: str | None, kwargs) -> ir.Model:
+    """onnxopt's add_loss_output summing the loss, its inputs renamed as onnxcustom named them."""
+    if _SCORES[score_name] == "elastic":
+        loss = losses.elastic(l1=kwargs.get("l1_weight", 0.5), l2=kwargs.get("l2_weight", 0.5), reduction="sum")
+    else:
+        loss = losses.LOSSES[_SCORES[score_name]](reduction="sum")
     lm = ir.from_proto(loss_output.add_loss_output(m, loss=loss, output=output))
     g = lm.graph
     inputs = {v.name: v for v in g.inputs}
     inputs["target"].name = label_name
-    dtype = inputs["target"].dtype.numpy()
     sw = inputs["sample_weight"]
     if weight_name is not None:
         sw.name = weight_name
     else:  # NOTE: an unweighted loss: a constant 1 broadcasts like a weight per sample (not an initializer)
         tape = ir.tape.Tape()
-        ir.convenience.replace_all_uses_with(sw, tape.op("Constant", [], {"value": ir.tensor(np.ones(1, dtype))}))
+        one = tape.op("Constant", [], {"value": ir.tensor(np.ones(1, inputs["target"].dtype.numpy()))})
+        ir.convenience.replace_all_uses_with(sw, one)
         g.insert_before(next(iter(g)), tape.nodes)
         g.inputs.remove(sw)
-    value = g.outputs[0]
-    if penalty:
-        value.name = f"{loss_name}/without_penalty"
-        tape = ir.tape.Tape(g)
-        for term in _penalty_terms(tape, g, penalty, dtype):
-            value = tape.op("Add", [value, term])
-        g.outputs[0] = value
-    value.name = loss_name
-    return ir.to_proto(lm)
+    g.outputs[0].dtype = inputs["target"].dtype
+    return lm
+
+
+def _log_loss(m: ir.Model, output: str, label_name: str, weight_name: str | None, eps: float) -> ir.Model:
+    """−mean_i w_i·log(q_i[y_i]), q = clip(p, eps, 1 − eps) renormalised per row; p has two columns."""
+    g = m.graph
+    p = next(v for v in g.outputs if v.name == output)
+    dtype = p.dtype.numpy()
+    label = ir.Value(name=label_name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["N", 1]))
+    g.inputs.append(label)
+    tape = ir.tape.Tape(g)
+    const = lambda v, t=dtype: tape.op("Constant", [], {"value": ir.tensor(np.array(v, t))})  # noqa: E731
+    axis = const([1], np.int64)
+    clip = tape.op("Clip", [p, const(eps), const(1 - eps)])
+    log = tape.op("Log", [tape.op("Div", [clip, tape.op("ReduceSum", [clip, axis], {"keepdims": 1})])])
+    t = tape.op("Reshape", [tape.op("Cast", [label], {"to": ir.DataType(p.dtype)}), const([-1, 1], np.int64)])
+    like = tape.op("ReduceSum", [tape.op("Mul", [log, tape.op("Concat", [tape.op("Sub", [const(1), t]), t],
+                                                                         {"axis": 1})]), axis], {"keepdims": 1})
+    if weight_name is not None:
+        w = ir.Value(name=weight_name, type=ir.TensorType(p.dtype), shape=ir.Shape(["N"]))
+        g.inputs.append(w)
+        like = tape.op("Mul", [like, tape.op("Reshape", [w, const([-1, 1], np.int64)])])
+    g.outputs.insert(0, tape.op("Neg", [tape.op("ReduceMean", [like], {"keepdims": 0})]))
+    return m
+
+
+class QuantizedWeightError(WeightError, RuntimeError):
+    """An integer (quantized) initializer asked for as a weight: a ``RuntimeError`` as onnxcustom raised."""
 
 
 class DerivativeOptions(enum.IntFlag):
@@ -149,25 +194,47 @@ def onnx_derivative(onx: ModelLike, weights: Sequence[str] | None = None, inputs
                            f"got loss={loss!r}, label={label!r}")
         labels = {label} if isinstance(label, str) else set(label)
         names = [v.name for v in m.graph.outputs]
-        if loss not in names:
+        # NOTE: onnxruntime's GradientGraphBuilder differentiates its y outputs ('label') when the loss output
+        # does not exist; so does this
+        keep = [v for v in m.graph.outputs if v.name == loss or (loss not in names and v.name in labels)]
+        if not keep:
             raise ModelError(f"loss: {loss!r} is not an output of the model (expected one of {names})")
-        keep = next(v for v in m.graph.outputs if v.name == loss)
         m.graph.outputs.clear()
-        m.graph.outputs.append(keep)
+        m.graph.outputs.extend(keep)
         passes.RemoveUnusedNodesPass()(m)
         diff = [i for i in (inputs if inputs is not None else _float_inputs(m)) if i not in labels]
-        grad = gradient_model(m, weights, diff, keep_outputs=True, fill_grad=True)
+        grad = ir.to_proto(gradient_ir(m, _weights(m, weights), diff, True, True)[0])
         if path_name is not None:
             onnx.save(grad, path_name)
         return grad
+    if options & DerivativeOptions.FillGrad and not options & DerivativeOptions.KeepOutputs:
+        raise ValueError(f"options: FillGrad needs KeepOutputs (as in onnxcustom), got {options!r}")
+    names = _weights(m, weights)
+    diff = list(inputs) if inputs is not None else _float_inputs(m)
     if options & DerivativeOptions.KeepYieldOp:
         if options != DerivativeOptions.KeepYieldOp:
             raise DslError(f"options: KeepYieldOp cannot be combined with other options, got {options!r}")
-        names = check_weights(m, weights)
-        return ir.to_proto(build_gradient(m, names, list(inputs) if inputs is not None else _float_inputs(m)))
-    return gradient_model(m, weights, inputs if inputs is not None else _float_inputs(m),
-                          keep_outputs=bool(options & DerivativeOptions.KeepOutputs),
-                          fill_grad=bool(options & DerivativeOptions.FillGrad))
+        return ir.to_proto(build_gradient(m, names, diff))
+    grad, _ = gradient_ir(m, names, diff, bool(options & DerivativeOptions.KeepOutputs),
+                          bool(options & DerivativeOptions.FillGrad))
+    return ir.to_proto(grad)
+
+
+def _weights(m: ir.Model, weights: Sequence[str] | None) -> list[str]:
+    """``weights`` checked; ``[]``, or None on a model without float initializers, differentiates inputs only."""
+    if weights is not None and len(weights) == 0:
+        return []
+    for name in [weights] if isinstance(weights, str) else weights or ():
+        init = m.graph.initializers.get(name)
+        if init is not None and init.dtype not in FLOAT_TYPES:
+            raise QuantizedWeightError(f"weights: {name!r} is a {init.dtype.name} initializer (quantized); expected "
+                                       "float weights: training quantized weights (QAT) is not implemented")
+    try:
+        return check_weights(m, weights)
+    except WeightError:
+        if weights is None and not train_initializers(m):
+            return []
+        raise
 
 
 def onnx_rename_weights(onx: ModelLike) -> onnx.ModelProto:

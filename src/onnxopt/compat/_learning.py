@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
+
 from onnxopt.dsl import losses, penalties, updates
 from onnxopt.dsl.core import DOMAIN, Loss, Penalty, Schedule, UpdateRule, op, script
 from onnxopt.errors import DslError
 
-__all__ = ["LearningRateSGD", "LearningRateSGDNesterov", "SquareLearningLoss", "AbsoluteLearningLoss",
-           "ElasticLearningLoss", "NegLogLearningLoss", "NoLearningPenalty", "ElasticLearningPenalty",
-           "select_rate", "select_loss", "select_penalty"]
+__all__ = ["BaseLearningRate", "LearningRateSGD", "LearningRateSGDNesterov", "BaseLearningLoss", "SquareLearningLoss",
+           "AbsoluteLearningLoss", "ElasticLearningLoss", "NegLogLearningLoss", "BaseLearningPenalty",
+           "NoLearningPenalty", "ElasticLearningPenalty", "select_rate", "select_loss", "select_penalty"]
 
 
 @script(DOMAIN)
@@ -50,24 +52,36 @@ class _Params:
         return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
 
 
-class LearningRateSGD(_Params):
+class BaseLearningRate(_Params):
+    """onnxcustom's base class of learning rates; ``select`` builds one from a name, a float or an object."""
+
+    @staticmethod
+    def select(class_name, **kwargs) -> LearningRateSGD:
+        return select_rate(class_name, **kwargs)
+
+
+class LearningRateSGD(BaseLearningRate):
     """SGD whose learning rate follows scikit-learn's schedules counted in epochs: 'constant' (eta0),
     'invscaling' (eta0 / e^power_t) or 'optimal' (from ``alpha``); ``w ← w − lr·g``.
 
-    >>> [round(v, 4) for v in LearningRateSGD(0.1).loop(4)]   # the rates of epochs 0, 1, 2, 3
-    [0.1, 0.1, 0.0841, 0.076]
+    >>> [round(v, 4) for v in LearningRateSGD(0.1).loop(4)]   # eta0 / (i + 1)^power_t, as onnxcustom's loop
+    [0.1, 0.0841, 0.076, 0.0707]
+
+    ``fit`` uses eta0 for epochs 0 and 1, then eta0 / e^power_t (onnxcustom updated the rate with the
+    0-based epoch it had just finished).
     """
 
     needs_grad = False
 
     def __init__(self, eta0: float = 0.01, alpha: float = 0.0001, power_t: float = 0.25,
                  learning_rate: str = "invscaling"):
+        # NOTE: ValueError as onnxcustom raised (DslError is a TypeError)
         if learning_rate not in ("invscaling", "optimal", "constant"):
-            raise DslError(f"learning_rate: expected 'invscaling', 'optimal' or 'constant', got {learning_rate!r}")
-        if not isinstance(eta0, (int, float)) or not eta0 > 0:
-            raise DslError(f"eta0: expected a number > 0, got {eta0!r}")
+            raise ValueError(f"learning_rate: expected 'invscaling', 'optimal' or 'constant', got {learning_rate!r}")
+        if isinstance(eta0, bool) or not isinstance(eta0, (int, float)) or not eta0 > 0:
+            raise ValueError(f"eta0: expected a number > 0, got {eta0!r}")
         if learning_rate == "optimal" and not alpha > 0:
-            raise DslError(f"alpha: expected a number > 0 for learning_rate='optimal', got {alpha!r}")
+            raise ValueError(f"alpha: expected a number > 0 for learning_rate='optimal', got {alpha!r}")
         self.eta0, self.alpha, self.power_t, self.learning_rate = eta0, alpha, power_t, learning_rate
         self.value_ = None
 
@@ -116,11 +130,11 @@ class LearningRateSGD(_Params):
         return self
 
     def loop(self, n: int = 1000):
-        """Yields the learning rates of ``n`` epochs."""
+        """Yields ``n`` learning rates: eta0, then the rate after each update (onnxcustom's loop)."""
         self.init_learning_rate()
         for i in range(n):
             yield self.value
-            self.update_learning_rate(i)
+            self.update_learning_rate(i + 1)
 
 
 class LearningRateSGDNesterov(LearningRateSGD):
@@ -138,21 +152,37 @@ class LearningRateSGDNesterov(LearningRateSGD):
         return (updates.nesterov if self.nesterov else updates.momentum)(momentum=self.momentum)
 
 
-def select_rate(value) -> LearningRateSGD:
+def select_rate(value, **kwargs) -> LearningRateSGD:
     """onnxcustom's ``BaseLearningRate.select``: an object, a float (SGD) or 'SGD' / 'Nesterov'."""
     if isinstance(value, LearningRateSGD):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return LearningRateSGD(float(value))
+        return LearningRateSGD(float(value), **kwargs)
     names = {"SGD": LearningRateSGD, "LearningRateSGD": LearningRateSGD, "SGDRegressor": LearningRateSGD,
              "Nesterov": LearningRateSGDNesterov, "SGDNesterov": LearningRateSGDNesterov,
              "LearningRateSGDNesterov": LearningRateSGDNesterov}
     if isinstance(value, str) and value in names:
-        return names[value]()
-    raise DslError(f"learning_rate: expected a float, a LearningRateSGD(Nesterov) or one of {sorted(names)}, got {value!r}")
+        return names[value](**kwargs)
+    raise ValueError(f"learning_rate: expected a float, a LearningRateSGD(Nesterov) or one of {sorted(names)}, "
+                     f"got {value!r}")
 
 
-class SquareLearningLoss(_Params):
+class BaseLearningLoss(_Params):
+    """onnxcustom's base class of losses; ``select('elastic', l1_weight=..)`` builds one by name."""
+
+    @staticmethod
+    def select(class_name, **kwargs):
+        return select_loss(class_name, **kwargs)
+
+    def loss_scores(self, y, pred, weight=None):
+        """Per-sample losses (NumPy): ``y`` reshaped like the prediction, summed over its columns."""
+        pred = np.asarray(pred, dtype=np.float64).reshape((len(pred), -1))
+        y = np.asarray(y, dtype=np.float64).reshape(pred.shape)
+        scores = self._scores(y, pred).sum(axis=1)
+        return scores if weight is None else scores * np.asarray(weight, dtype=np.float64).reshape(-1)
+
+
+class SquareLearningLoss(BaseLearningLoss):
     """(y − t)², averaged over the batch: ``dsl.losses.square()``."""
 
     def __init__(self):
@@ -161,8 +191,11 @@ class SquareLearningLoss(_Params):
     def to_dsl(self) -> Loss:
         return losses.square()
 
+    def _scores(self, y, p):
+        return (y - p) ** 2
 
-class AbsoluteLearningLoss(_Params):
+
+class AbsoluteLearningLoss(BaseLearningLoss):
     """|y − t|, averaged over the batch: ``dsl.losses.absolute()``."""
 
     def __init__(self):
@@ -171,8 +204,11 @@ class AbsoluteLearningLoss(_Params):
     def to_dsl(self) -> Loss:
         return losses.absolute()
 
+    def _scores(self, y, p):
+        return np.abs(y - p)
 
-class ElasticLearningLoss(_Params):
+
+class ElasticLearningLoss(BaseLearningLoss):
     """l1_weight·|y − t| + l2_weight·(y − t)², averaged over the batch: ``dsl.losses.elastic``."""
 
     def __init__(self, l1_weight: float = 0.5, l2_weight: float = 0.5):
@@ -181,8 +217,11 @@ class ElasticLearningLoss(_Params):
     def to_dsl(self) -> Loss:
         return losses.elastic(l1=self.l1_weight, l2=self.l2_weight)
 
+    def _scores(self, y, p):
+        return self.l1_weight * np.abs(y - p) + self.l2_weight * (y - p) ** 2
 
-class NegLogLearningLoss(_Params):
+
+class NegLogLearningLoss(BaseLearningLoss):
     """Binary log loss on a raw score s (probability sigmoid(s)): ``dsl.losses.log(from_logits=True)``.
 
     ``eps`` is accepted for compatibility; the loss is computed from the raw score without clipping.
@@ -190,27 +229,40 @@ class NegLogLearningLoss(_Params):
 
     def __init__(self, eps: float = 1e-5, probability_function: str = "sigmoid"):
         if probability_function != "sigmoid":
-            raise DslError(f"probability_function: expected 'sigmoid', got {probability_function!r}")
+            raise ValueError(f"probability_function: expected 'sigmoid', got {probability_function!r}")
         self.eps, self.probability_function = eps, probability_function
 
     def to_dsl(self) -> Loss:
         return losses.log(from_logits=True)
 
+    def _scores(self, y, p):
+        """-(y·log(q) + (1 − y)·log(1 − q)), q = sigmoid(p) clipped to [eps, 1 − eps] (onnxcustom's)."""
+        q = np.clip(1 / (1 + np.exp(-np.clip(p, -700, 700))), self.eps, 1 - self.eps)
+        return -(y * np.log(q) + (1 - y) * np.log(1 - q))
 
-def select_loss(value):
+
+def select_loss(value, **kwargs):
     """onnxcustom's ``BaseLearningLoss.select``: an object or one of its names."""
-    if isinstance(value, (SquareLearningLoss, AbsoluteLearningLoss, ElasticLearningLoss, NegLogLearningLoss)):
+    if isinstance(value, BaseLearningLoss):
         return value
     names = {"square_error": SquareLearningLoss, "square": SquareLearningLoss,
              "absolute_error": AbsoluteLearningLoss, "absolute": AbsoluteLearningLoss,
              "elastic_error": ElasticLearningLoss, "elastic": ElasticLearningLoss,
              "log": NegLogLearningLoss, "neglog": NegLogLearningLoss, "logloss": NegLogLearningLoss}
     if isinstance(value, str) and value in names:
-        return names[value]()
-    raise DslError(f"learning_loss: expected a *LearningLoss object or one of {sorted(names)}, got {value!r}")
+        return names[value](**kwargs)
+    raise ValueError(f"learning_loss: expected a *LearningLoss object or one of {sorted(names)}, got {value!r}")
 
 
-class NoLearningPenalty(_Params):
+class BaseLearningPenalty(_Params):
+    """onnxcustom's base class of penalties; ``select('elastic', l1=.., l2=..)`` builds one by name."""
+
+    @staticmethod
+    def select(class_name, **kwargs):
+        return select_penalty(class_name, **kwargs)
+
+
+class NoLearningPenalty(BaseLearningPenalty):
     """No penalty."""
 
     def __init__(self):
@@ -220,7 +272,7 @@ class NoLearningPenalty(_Params):
         return None
 
 
-class ElasticLearningPenalty(_Params):
+class ElasticLearningPenalty(BaseLearningPenalty):
     """l1·Σ|w| + l2·Σw² on every trained weight, added to the loss: ``dsl.penalties.elastic(l1, l2)``.
 
     Its gradient l1·sign(w) + 2·l2·w joins the weight's gradient, so the learning rate scales it.
@@ -233,13 +285,13 @@ class ElasticLearningPenalty(_Params):
         return penalties.elastic(l1=self.l1, l2=self.l2)
 
 
-def select_penalty(value):
+def select_penalty(value, **kwargs):
     """onnxcustom's ``BaseLearningPenalty.select``: an object, None/'' (none) or 'elastic'/'l1l2'."""
-    if isinstance(value, (NoLearningPenalty, ElasticLearningPenalty)):
+    if isinstance(value, BaseLearningPenalty):
         return value
-    if value is None or value == "":
+    if value is None or value in ("", "penalty", "NoLearningPenalty"):
         return NoLearningPenalty()
-    if value in ("elastic", "l1l2"):
-        return ElasticLearningPenalty()
-    raise DslError(f"learning_penalty: expected None, NoLearningPenalty(), ElasticLearningPenalty(...), 'elastic' "
+    if value in ("elastic", "l1l2", "ElasticLearningPenalty"):
+        return ElasticLearningPenalty(**kwargs)
+    raise ValueError(f"learning_penalty: expected None, NoLearningPenalty(), ElasticLearningPenalty(...), 'elastic' "
                    f"or 'l1l2', got {value!r}")

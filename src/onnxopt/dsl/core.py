@@ -7,15 +7,19 @@ so ``dsl.updates.momentum(momentum=0.5)`` and a user's ``my_rule(beta=0.1)`` wor
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+import onnx_ir as ir
 import onnxscript
 from onnxscript import DOUBLE, FLOAT, INT64, script, values
 from onnxscript import opset18 as op
+from onnxscript._internal import ast_utils  # NOTE: script()'s own two steps, run with our names (see _names)
+from onnxscript._internal.main import script_check
 
 from onnxopt.errors import DslError
 
@@ -30,16 +34,49 @@ def to_script(fn: Callable | _Fn, what: str) -> _Fn:
     """Compiles a Python function written with ``op`` into an onnxscript function of the DSL domain."""
     if isinstance(fn, _Fn):
         return fn
-    if not callable(fn):
+    if not callable(fn) or not inspect.isfunction(fn):
         raise DslError(f"{what}: expected a function written with onnxopt.dsl.op, got {type(fn).__name__}")
     try:
-        return script(DOMAIN)(fn)
+        src, tree = ast_utils.get_src_and_ast(fn)
+        sf = onnxscript.OnnxFunction(DOMAIN, fn, script_check(tree, DOMAIN, _names(fn, tree), src), src, {})
     except Exception as exc:
         try:
             where = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}" if hasattr(fn, "__code__") else ""
         except (OSError, TypeError):  # NOTE: no source for functions defined in a REPL, stdin or exec
             where = "source unavailable"
         raise DslError(f"{what}: {fn.__name__} ({where}) is not a valid onnxscript function: {exc}") from exc
+    for value in [*sf.function_ir.inputs, *sf.function_ir.outputs]:
+        if value.dtype in _GENERIC:  # NOTE: ONNX functions are type-generic: y: FLOAT also runs on float64 models
+            value.type, value.shape = None, None
+    return sf
+
+
+_GENERIC = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def _names(fn: Callable, tree: ast.FunctionDef) -> dict[str, Any]:
+    """The names ``fn`` may use, wherever it was defined: its module's globals, the locals of the frame
+    defining it (still running when a decorator compiles it), its closure cells and its evaluated annotations.
+
+    NOTE: onnxscript's ``script`` resolves module globals and closure cells only, so a rule written inside a
+    function that imports ``op``/``FLOAT`` or defines a constant there failed with "Missing names".
+    """
+    env = dict(fn.__globals__)
+    frame = inspect.currentframe()
+    while frame is not None and fn.__code__ not in frame.f_code.co_consts:
+        frame = frame.f_back
+    if frame is not None:
+        env.update(frame.f_locals)
+    del frame
+    env.update(inspect.getclosurevars(fn).nonlocals)
+    annotated = {a.arg: a.annotation for a in [*tree.args.args, *tree.args.kwonlyargs]}
+    annotated["return"] = tree.returns
+    for key, node in annotated.items():
+        if isinstance(node, ast.Name) and node.id not in env and key in getattr(fn, "__annotations__", {}):
+            value = fn.__annotations__[key]
+            if not isinstance(value, str):
+                env[node.id] = value
+    return env
 
 
 def inputs_of(fn: _Fn) -> list[str]:

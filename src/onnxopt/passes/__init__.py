@@ -1,0 +1,9 @@
+"""Graph passes of the compiler, one idea per module, each ``ir.Model -> ir.Model`` in the onnx-ir style.
+
+- ``decompose``: ops the gradient builder lacks or gets wrong, rewritten into differentiable standard ONNX;
+- ``modes``: training and evaluation mode (Dropout, BatchNormalization) before differentiation;
+- ``lower``: training-only ops of the builder's backward graph lowered to standard ONNX (portable steps).
+- ``update``: multi-tensor updates (one elementwise rule over all weights concatenated) and the Runner's
+  flat layout of them;
+- ``fuse_update``: rewrite rules folding the update into the kernels around it (SGD into the gradient Gemm).
+"""

@@ -1,0 +1,671 @@
+"""Ops onnxruntime-training's gradient builder lacks or gets wrong, made differentiable before it runs.
+
+- ``GRADIENTS``: gradient definitions (standard ONNX nodes over ``I(i)``, ``O(i)``, ``GO(i)``) registered with
+  the builder for attribute-free ops it lacks: the forward kernel stays, only the backward is supplied
+  (Asin, Sinh, Softplus, Mish, ...; Floor, Ceil, Round, Sign, Hardmax get a zero gradient).
+- ``RULES``: one rewrite per op type into standard ops with exact builder gradients, for ops whose
+  gradient depends on attributes (Elu, Selu, HardSigmoid, ``Gelu(approximate="tanh")``, ...), variadic
+  and reduction ops (Sum, Mean, ReduceMax, ReduceL1, ...) and normalizations (InstanceNormalization, ...).
+- Completed nodes: LayerNormalization gets its optional Mean/InvStdDev outputs (the builder's gradient
+  reads them), SoftmaxCrossEntropyLoss its log-probabilities; float64 LayerNormalization is rewritten
+  (its gradient kernel is float only).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
+
+__all__ = ["GRADIENTS", "RULES", "decompose", "register_gradients"]
+
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+# ---- gradient definitions: (op_type, inputs, outputs[, {attribute: value}]) per node, GI(0) = dL/dI(0)
+
+def _c(name: str, value: float) -> list[tuple]:
+    """A constant ``name`` equal to ``value`` in the type of ``I(0)``."""
+    return [("Constant", [], [name + "_f"], {"value": np.float32(value)}), ("CastLike", [name + "_f", "I(0)"], [name])]
+
+
+def _divide_by(expr: list[tuple]) -> list[tuple]:
+    """GI(0) = GO(0) / d, with d computed by ``expr`` (whose last node writes ``d``)."""
+    return [*expr, ("Div", ["GO(0)", "d"], ["GI(0)"])]
+
+
+_X2 = [("Mul", ["I(0)", "I(0)"], ["x2"])]
+_ZERO = [*_c("zero", 0.0), ("Shape", ["I(0)"], ["shape"]), ("Expand", ["zero", "shape"], ["GI(0)"])]
+
+GRADIENTS: dict[str, list[tuple]] = {
+    "Asin": _divide_by([*_c("one", 1.0), *_X2, ("Sub", ["one", "x2"], ["t"]), ("Sqrt", ["t"], ["d"])]),
+    "Acos": [*_c("one", 1.0), *_X2, ("Sub", ["one", "x2"], ["t"]), ("Sqrt", ["t"], ["s"]), ("Neg", ["s"], ["d"]),
+             ("Div", ["GO(0)", "d"], ["GI(0)"])],
+    "Atan": _divide_by([*_c("one", 1.0), *_X2, ("Add", ["one", "x2"], ["d"])]),
+    "Asinh": _divide_by([*_c("one", 1.0), *_X2, ("Add", ["x2", "one"], ["t"]), ("Sqrt", ["t"], ["d"])]),
+    # NOTE: sqrt(x-1)·sqrt(x+1), not sqrt(x²-1): no cancellation near x = 1
+    "Acosh": _divide_by([*_c("one", 1.0), ("Sub", ["I(0)", "one"], ["a"]), ("Add", ["I(0)", "one"], ["b"]),
+                         ("Sqrt", ["a"], ["sa"]), ("Sqrt", ["b"], ["sb"]), ("Mul", ["sa", "sb"], ["d"])]),
+    "Atanh": _divide_by([*_c("one", 1.0), *_X2, ("Sub", ["one", "x2"], ["d"])]),
+    "Sinh": [("Cosh", ["I(0)"], ["c"]), ("Mul", ["GO(0)", "c"], ["GI(0)"])],
+    "Cosh": [("Sinh", ["I(0)"], ["s"]), ("Mul", ["GO(0)", "s"], ["GI(0)"])],
+    "Tan": [*_c("one", 1.0), ("Mul", ["O(0)", "O(0)"], ["y2"]), ("Add", ["one", "y2"], ["d"]),
+            ("Mul", ["GO(0)", "d"], ["GI(0)"])],
+    "Softplus": [("Sigmoid", ["I(0)"], ["s"]), ("Mul", ["GO(0)", "s"], ["GI(0)"])],
+    "Softsign": _divide_by([*_c("one", 1.0), ("Abs", ["I(0)"], ["a"]), ("Add", ["one", "a"], ["t"]),
+                            ("Mul", ["t", "t"], ["d"])]),
+    # Mish: y = x·tanh(sp), sp = softplus(x); dy/dx = tanh(sp) + x·(1 − tanh²(sp))·sigmoid(x)
+    "Mish": [*_c("one", 1.0), ("Softplus", ["I(0)"], ["sp"]), ("Tanh", ["sp"], ["t"]), ("Mul", ["t", "t"], ["t2"]),
+             ("Sub", ["one", "t2"], ["u"]), ("Sigmoid", ["I(0)"], ["s"]), ("Mul", ["u", "s"], ["us"]),
+             ("Mul", ["I(0)", "us"], ["xus"]), ("Add", ["t", "xus"], ["d"]), ("Mul", ["GO(0)", "d"], ["GI(0)"])],
+    # HardSwish: y = x·clip(x/6 + 1/2, 0, 1); dy/dx = 0 below -3, 1 above 3, x/3 + 1/2 between (as torch)
+    "HardSwish": [*_c("three", 3.0), *_c("mthree", -3.0), *_c("half", 0.5), *_c("zero", 0.0), *_c("one", 1.0),
+                  ("Div", ["I(0)", "three"], ["x3"]), ("Add", ["x3", "half"], ["mid"]),
+                  ("Greater", ["I(0)", "three"], ["hi"]), ("Less", ["I(0)", "mthree"], ["lo"]),
+                  ("Where", ["hi", "one", "mid"], ["d1"]), ("Where", ["lo", "zero", "d1"], ["d"]),
+                  ("Mul", ["GO(0)", "d"], ["GI(0)"])],
+    **{op: _ZERO for op in ("Floor", "Ceil", "Round", "Sign", "Hardmax", "EyeLike")},
+}
+
+
+def _attribute(name: str, value) -> tuple[str, str, str, bool]:
+    if isinstance(value, np.floating):
+        return name, json.dumps(float(value)), "float", True
+    return name, json.dumps(value), "int" if isinstance(value, int) else "float", False
+
+
+_registered = False
+
+
+def register_gradients(C) -> None:
+    """Registers ``GRADIENTS`` with onnxruntime-training (``C`` = its ``_pybind_state``), once per process."""
+    global _registered
+    if _registered:
+        return
+    for op_type, nodes in GRADIENTS.items():
+        defs = []
+        for op, inputs, outputs, *attrs in nodes:
+            d = C.GradientNodeDefinition()
+            d.op_type, d.domain, d.inputs, d.outputs = op, "", list(inputs), list(outputs)
+            attributes = []
+            for name, value in (attrs[0] if attrs else {}).items():
+                a = C.GradientNodeAttributeDefinition()
+                a.name, a.value_json, a.dtype, a.is_tensor = _attribute(name, value)
+                attributes.append(a)
+            d.attributes = attributes
+            defs.append(d)
+        C.register_gradient_definition(f"::{op_type}", defs)
+    _registered = True
+
+
+# ---- rewrites: build(op, node, *inputs) -> output value(s) of standard ops
+
+def _k(op, value: float, like: ir.Value):
+    return op.Constant(value=ir.tensor(np.array(value, dtype=like.dtype.numpy())))
+
+
+def _f(node: ir.Node, name: str, default: float) -> float:
+    return node.attributes.get_float(name, default)
+
+
+def _negative_branch(op, x, negative):
+    """``Where(x > 0, x, negative(x'))`` with x' = min(x, 0): the untaken branch never overflows."""
+    positive = op.Greater(x, _k(op, 0.0, x))
+    return op.Where(positive, x, negative(op.Where(positive, _k(op, 0.0, x), x)))
+
+
+def _elu(op, node, x):
+    alpha = _f(node, "alpha", 1.0)
+    return _negative_branch(op, x, lambda n: op.Mul(_k(op, alpha, x), op.Sub(op.Exp(n), _k(op, 1.0, x))))
+
+
+def _selu(op, node, x):
+    alpha, gamma = _f(node, "alpha", 1.67326319217681884765625), _f(node, "gamma", 1.05070102214813232421875)
+    y = _negative_branch(op, x, lambda n: op.Mul(_k(op, alpha, x), op.Sub(op.Exp(n), _k(op, 1.0, x))))
+    return op.Mul(_k(op, gamma, x), y)
+
+
+def _celu(op, node, x):
+    alpha = _f(node, "alpha", 1.0)
+    return _negative_branch(op, x, lambda n: op.Mul(_k(op, alpha, x),
+                                                    op.Sub(op.Exp(op.Div(n, _k(op, alpha, x))), _k(op, 1.0, x))))
+
+
+def _hard_sigmoid(op, node, x):
+    t = op.Add(op.Mul(_k(op, _f(node, "alpha", 0.2), x), x), _k(op, _f(node, "beta", 0.5), x))
+    zero, one = _k(op, 0.0, x), _k(op, 1.0, x)
+    return op.Where(op.Less(t, zero), zero, op.Where(op.Greater(t, one), one, t))
+
+
+def _thresholded_relu(op, node, x):
+    return op.Where(op.Greater(x, _k(op, _f(node, "alpha", 1.0), x)), x, _k(op, 0.0, x))
+
+
+def _shrink(op, node, x):
+    bias, lambd = _f(node, "bias", 0.0), _f(node, "lambd", 0.5)
+    inner = op.Where(op.Greater(x, _k(op, lambd, x)), op.Sub(x, _k(op, bias, x)), _k(op, 0.0, x))
+    return op.Where(op.Less(x, _k(op, -lambd, x)), op.Add(x, _k(op, bias, x)), inner)
+
+
+def _gelu_tanh(op, node, x):
+    """0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))."""
+    inner = op.Mul(_k(op, np.sqrt(2.0 / np.pi), x), op.Add(x, op.Mul(_k(op, 0.044715, x), op.Mul(x, op.Mul(x, x)))))
+    return op.Mul(op.Mul(_k(op, 0.5, x), x), op.Add(_k(op, 1.0, x), op.Tanh(inner)))
+
+
+def _prelu(op, node, x, slope):
+    return op.Where(op.Less(x, _k(op, 0.0, x)), op.Mul(slope, x), x)
+
+
+def _sum(op, node, *xs):
+    total = xs[0]
+    for x in xs[1:]:
+        total = op.Add(total, x)
+    return total if len(xs) > 1 else op.Identity(total)
+
+
+def _mean(op, node, *xs):
+    return op.Div(_sum(op, node, *xs), _k(op, float(len(xs)), xs[0]))
+
+
+def _reduce_attrs(node: ir.Node, keepdims: int | None = None) -> dict:
+    return {"keepdims": node.attributes.get_int("keepdims", 1) if keepdims is None else keepdims,
+            "noop_with_empty_axes": node.attributes.get_int("noop_with_empty_axes", 0)}
+
+
+def _reduce_sum(op, node, x, axes=None, keepdims=None):
+    args = [x] if axes is None else [x, axes]
+    return op.ReduceSum(*args, **_reduce_attrs(node, keepdims))
+
+
+def _reduce_extreme(reduce: str):
+    """ReduceMax/ReduceMin as Σ(x where x is extreme) / count: the gradient goes evenly to ties (as torch's amax)."""
+    def build(op, node, x, axes=None):
+        args = [x] if axes is None else [x, axes]
+        extreme = getattr(op, reduce)(*args, **_reduce_attrs(node, 1))
+        mask = op.Equal(x, extreme)
+        count = _reduce_sum(op, node, op.Cast(mask, to=x.dtype), axes)
+        return op.Div(_reduce_sum(op, node, op.Where(mask, x, _k(op, 0.0, x)), axes), count)
+    return build
+
+
+def _reduce_l1(op, node, x, axes=None):
+    return _reduce_sum(op, node, op.Abs(x), axes)
+
+
+def _reduce_sum_square(op, node, x, axes=None):
+    return _reduce_sum(op, node, op.Mul(x, x), axes)
+
+
+def _reduce_log_sum(op, node, x, axes=None):
+    return op.Log(_reduce_sum(op, node, x, axes))
+
+
+def _lp_normalization(op, node, x):
+    axes = op.Constant(value_ints=[node.attributes.get_int("axis", -1)])
+    p = node.attributes.get_int("p", 2)
+    norm = op.ReduceL2(x, axes, keepdims=1) if p == 2 else op.ReduceSum(op.Abs(x), axes, keepdims=1)
+    return op.Div(x, norm)
+
+
+def _normalize(op, x, axes, epsilon: float, like=None):
+    """(x - E[x]) / sqrt(Var[x] + epsilon) over ``axes`` (``like``: a value of the same type, when x is new)."""
+    centred = op.Sub(x, op.ReduceMean(x, axes, keepdims=1))
+    variance = op.ReduceMean(op.Mul(centred, centred), axes, keepdims=1)
+    return op.Div(centred, op.Sqrt(op.Add(variance, _k(op, epsilon, x if like is None else like))))
+
+
+def _mvn(op, node, x):
+    """The ONNX function of MeanVarianceNormalization: (x - E[x]) / (sqrt(E[x²] - E[x]²) + 1e-9)."""
+    axes = op.Constant(value_ints=list(node.attributes.get_ints("axes", [0, 2, 3])))
+    mean = op.ReduceMean(x, axes, keepdims=1)
+    variance = op.Sub(op.ReduceMean(op.Mul(x, x), axes, keepdims=1), op.Mul(mean, mean))
+    return op.Div(op.Sub(x, mean), op.Add(op.Sqrt(variance), _k(op, 1e-9, x)))
+
+
+def _channel(op, v, rank: int):
+    """A (C,) vector shaped (C, 1, ..., 1) to broadcast over an (N, C, ...) tensor of ``rank``."""
+    return op.Reshape(v, op.Constant(value_ints=[-1] + [1] * (rank - 2)))
+
+
+def _instance_norm(op, node, x, scale, bias):
+    rank = len(x.shape)
+    y = _normalize(op, x, op.Constant(value_ints=list(range(2, rank))), _f(node, "epsilon", 1e-5))
+    return op.Add(op.Mul(y, _channel(op, scale, rank)), _channel(op, bias, rank))
+
+
+def _layer_norm(op, node, x, scale, bias=None):
+    rank = len(x.shape)
+    axis = node.attributes.get_int("axis", -1) % rank
+    y = op.Mul(_normalize(op, x, op.Constant(value_ints=list(range(axis, rank))), _f(node, "epsilon", 1e-5)), scale)
+    return y if bias is None else op.Add(y, bias)
+
+
+def _trilu(op, node, x, k=None):
+    """Trilu as ``Where(mask, x, 0)`` with the mask built from row and column indices at run time."""
+    shape = op.Shape(x)
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    n_rows = op.Squeeze(op.Slice(shape, op.Constant(value_ints=[-2]), op.Constant(value_ints=[-1])))
+    n_cols = op.Squeeze(op.Slice(shape, op.Constant(value_ints=[-1]), op.Constant(value_ints=[2**62])))
+    rows = op.Unsqueeze(op.Range(zero, n_rows, one), op.Constant(value_ints=[1]))
+    cols = op.Range(zero, n_cols, one)
+    offset = op.Sub(cols, rows)
+    k = zero if k is None else k
+    mask = op.GreaterOrEqual(offset, k) if node.attributes.get_int("upper", 1) else op.LessOrEqual(offset, k)
+    return op.Where(mask, x, _k(op, 0.0, x))
+
+
+def _transpose(op, node, x):
+    return op.Transpose(x, perm=list(range(len(x.shape)))[::-1])
+
+
+def _transpose_check(node: ir.Node) -> str | None:
+    # NOTE: the builder's Transpose gradient reads 'perm' and fails (unordered_map::at) when it is omitted
+    return "perm is given" if "perm" in node.attributes else _has_rank(node, 1)
+
+
+def _rank(node: ir.Node) -> int:
+    return len(node.inputs[0].shape)
+
+
+def _spatial(op, node):
+    return op.Constant(value_ints=list(range(2, _rank(node))))
+
+
+def _global_max_pool(op, node, x):
+    return _reduce_extreme("ReduceMax")(op, node, x, _spatial(op, node))
+
+
+def _global_lp_pool(op, node, x):
+    p = node.attributes.get_int("p", 2)
+    if p == 1:
+        return op.ReduceSum(op.Abs(x), _spatial(op, node), keepdims=1)
+    total = op.ReduceSum(op.Mul(x, x) if p == 2 else op.Pow(op.Abs(x), _k(op, float(p), x)), _spatial(op, node), keepdims=1)
+    return op.Sqrt(total) if p == 2 else op.Pow(total, _k(op, 1.0 / p, x))
+
+
+def _lp_pool(op, node, x):
+    """(AveragePool(|x|^p, count_include_pad) · window size)^(1/p): LpPool pads with zeros too."""
+    p = node.attributes.get_int("p", 2)
+    keep = ("kernel_shape", "pads", "strides", "auto_pad", "dilations", "ceil_mode")
+    attrs = {k: node.attributes[k].value for k in keep if k in node.attributes}
+    powered = op.Mul(x, x) if p == 2 else op.Pow(op.Abs(x), _k(op, float(p), x))
+    window = float(np.prod(node.attributes.get_ints("kernel_shape")))
+    total = op.Mul(op.AveragePool(powered, count_include_pad=1, **attrs), _k(op, window, x))
+    return op.Sqrt(total) if p == 2 else op.Pow(total, _k(op, 1.0 / p, x))
+
+
+def _compress(op, node, x, condition):
+    index = op.Reshape(op.NonZero(condition), op.Constant(value_ints=[-1]))
+    if "axis" not in node.attributes:
+        return op.Gather(op.Reshape(x, op.Constant(value_ints=[-1])), index, axis=0)
+    return op.Gather(x, index, axis=node.attributes.get_int("axis"))
+
+
+def _group_norm(op, node, x, scale, bias):
+    """Normalizes (N, groups, -1), then scale and bias per channel (opset 21) or per group (opset 18)."""
+    groups = node.attributes.get_int("num_groups")
+    grouped = op.Reshape(x, op.Constant(value_ints=[0, groups, -1]))
+    y = _normalize(op, grouped, op.Constant(value_ints=[2]), _f(node, "epsilon", 1e-5), like=x)
+    if node.graph is not None and node.graph.opset_imports.get("", 21) < 21:
+        per_group = op.Constant(value_ints=[1, groups, 1])
+        y = op.Add(op.Mul(y, op.Reshape(scale, per_group)), op.Reshape(bias, per_group))
+        return op.Reshape(y, op.Shape(x))
+    rank = _rank(node)
+    return op.Add(op.Mul(op.Reshape(y, op.Shape(x)), _channel(op, scale, rank)), _channel(op, bias, rank))
+
+
+def _dequantize(op, node, x, scale, zero_point=None):
+    y = op.Cast(x, to=scale.dtype)
+    if zero_point is not None:
+        y = op.Sub(y, op.Cast(zero_point, to=scale.dtype))
+    if scale.shape is not None and len(scale.shape) == 1 and len(x.shape) > 1:
+        axis = node.attributes.get_int("axis", 1) % len(x.shape)
+        scale = op.Reshape(scale, op.Constant(value_ints=[-1] + [1] * (len(x.shape) - axis - 1)))
+    return op.Mul(y, scale)
+
+
+def _dequantize_check(node: ir.Node) -> str | None:
+    x, scale = node.inputs[0], node.inputs[1]
+    if node.attributes.get_int("block_size", 0) or scale.shape is None or len(scale.shape) > 1:
+        return "blocked quantization is not rewritten"
+    return None if x.shape is not None or len(scale.shape) == 0 else "the rank of the input is unknown"
+
+
+def _one_hot(op, node, indices, depth, values):
+    code = op.OneHot(indices, depth, op.Constant(value_ints=[0, 1]), axis=node.attributes.get_int("axis", -1))
+    on, off = op.Gather(values, op.Constant(value_int=1)), op.Gather(values, op.Constant(value_int=0))
+    # NOTE: on·m + off·(1 - m), m in {0, 1}, is exact; the builder's Where gradient does not reduce broadcasts
+    m = op.Cast(code, to=values.dtype)
+    return op.Add(op.Mul(on, m), op.Mul(off, op.Sub(op.CastLike(op.Constant(value_int=1), values), m)))
+
+
+def _cumsum(op, node, x, axis):
+    """x moved so ``axis`` is last, times a 0/1 triangular matrix built at run time, moved back."""
+    rank = _rank(node)
+    axis = int(axis.const_value.numpy().reshape(-1)[0]) % rank
+    perm = list(range(rank))
+    perm[axis], perm[-1] = perm[-1], perm[axis]
+    n = op.Squeeze(op.Slice(op.Shape(x), op.Constant(value_ints=[axis]), op.Constant(value_ints=[axis + 1])))
+    steps = op.Range(op.Constant(value_int=0), n, op.Constant(value_int=1))
+    rows, cols = op.Unsqueeze(steps, op.Constant(value_ints=[1])), steps
+    exclusive, reverse = node.attributes.get_int("exclusive", 0), node.attributes.get_int("reverse", 0)
+    compare = {(0, 0): op.LessOrEqual, (1, 0): op.Less, (0, 1): op.GreaterOrEqual, (1, 1): op.Greater}
+    triangle = op.Cast(compare[exclusive, reverse](rows, cols), to=x.dtype)
+    return op.Transpose(op.MatMul(op.Transpose(x, perm=perm), triangle), perm=perm)
+
+
+def _cumsum_check(node: ir.Node) -> str | None:
+    axis = node.inputs[1]
+    return "the axis is not a constant" if axis is None or axis.const_value is None else _has_rank(node, 1)
+
+
+def _dims(op, x, blocks: int):
+    """N, C, H, W of a 4-D ``x`` as 1-element int64 tensors, and ``blocks`` as one."""
+    shape = op.Shape(x)
+    dims = [op.Slice(shape, op.Constant(value_ints=[i]), op.Constant(value_ints=[i + 1])) for i in range(4)]
+    return dims, op.Constant(value_ints=[blocks])
+
+
+def _depth_to_space(op, node, x):
+    b = node.attributes.get_int("blocksize")
+    (n, c, h, w), bb = _dims(op, x, b)
+    depth = op.Div(c, op.Constant(value_ints=[b * b]))
+    if node.attributes.get_string("mode", "DCR") == "DCR":
+        split, perm = [n, bb, bb, depth, h, w], [0, 3, 4, 1, 5, 2]
+    else:
+        split, perm = [n, depth, bb, bb, h, w], [0, 1, 4, 2, 5, 3]
+    y = op.Transpose(op.Reshape(x, op.Concat(*split, axis=0)), perm=perm)
+    return op.Reshape(y, op.Concat(n, depth, op.Mul(h, bb), op.Mul(w, bb), axis=0))
+
+
+def _space_to_depth(op, node, x):
+    b = node.attributes.get_int("blocksize")
+    (n, c, h, w), bb = _dims(op, x, b)
+    h2, w2 = op.Div(h, bb), op.Div(w, bb)
+    y = op.Transpose(op.Reshape(x, op.Concat(n, c, h2, bb, w2, bb, axis=0)), perm=[0, 3, 5, 1, 2, 4])
+    return op.Reshape(y, op.Concat(n, op.Mul(c, op.Constant(value_ints=[b * b])), h2, w2, axis=0))
+
+
+def _nll_loss(op, node, x, target, weight=None):
+    """-x[n, t_n]·w[t_n], then none / sum / mean (Σ loss / Σ w); ignore_index rows weigh 0."""
+    ignore = node.attributes.get_int("ignore_index", None)
+    keep = None
+    if ignore is not None:
+        keep = op.Not(op.Equal(target, op.Constant(value_int=ignore)))
+        target = op.Where(keep, target, op.Constant(value_int=0))
+    picked = op.GatherElements(x, op.Unsqueeze(target, op.Constant(value_ints=[1])), axis=1)
+    picked = op.Squeeze(picked, op.Constant(value_ints=[1]))
+    w = op.Gather(weight, target, axis=0) if weight is not None else None
+    if keep is not None:
+        w = op.Cast(keep, to=x.dtype) if w is None else op.Where(keep, w, _k(op, 0.0, x))
+    loss = op.Neg(picked if w is None else op.Mul(picked, w))
+    reduction = node.attributes.get_string("reduction", "mean")
+    if reduction == "none":
+        return loss
+    total = op.ReduceSum(loss, keepdims=0)
+    if reduction == "sum":
+        return total
+    return op.Div(total, op.ReduceSum(w, keepdims=0) if w is not None else op.Cast(op.Size(target), to=x.dtype))
+
+
+def _lrn(op, node, x):
+    """x / (bias + alpha/size · Σ_window x²)^beta, the window sum over channels an AveragePool times its size."""
+    size = node.attributes.get_int("size")
+    alpha, beta, bias = _f(node, "alpha", 1e-4), _f(node, "beta", 0.75), _f(node, "bias", 1.0)
+    squares = op.Reshape(op.Mul(x, x), op.Constant(value_ints=[0, 1, 0, -1]))
+    pads = [(size - 1) // 2, 0, size - 1 - (size - 1) // 2, 0]
+    window = op.AveragePool(squares, kernel_shape=[size, 1], pads=pads, count_include_pad=1)
+    total = op.Reshape(op.Mul(window, _k(op, float(size), x)), op.Shape(x))
+    scale = op.Add(_k(op, bias, x), op.Mul(_k(op, alpha / size, x), total))
+    return op.Div(x, op.Pow(scale, _k(op, beta, x)))
+
+
+def _einsum_terms(node: ir.Node) -> tuple[list[str], str]:
+    equation = node.attributes.get_string("equation").replace(" ", "")
+    inputs, _, output = equation.partition("->")
+    terms = inputs.split(",")
+    if "->" not in equation:  # NOTE: implicit output: the letters seen once, in alphabetical order
+        letters = "".join(terms)
+        output = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return terms, output
+
+
+def _einsum(op, node, *xs):
+    """Each operand transposed to one letter order and unsqueezed to every letter, multiplied (broadcast),
+    summed over the letters the output drops, transposed to the output's order."""
+    terms, output = _einsum_terms(node)
+    letters = list(dict.fromkeys("".join(terms)))
+    product = None
+    for x, term in zip(xs, terms):
+        ordered = sorted(term, key=letters.index)
+        y = op.Transpose(x, perm=[term.index(c) for c in ordered]) if list(term) != ordered else x
+        missing = [i for i, c in enumerate(letters) if c not in term]
+        y = op.Unsqueeze(y, op.Constant(value_ints=missing)) if missing else y
+        product = y if product is None else op.Mul(product, y)
+    summed = [i for i, c in enumerate(letters) if c not in output]
+    if summed:
+        product = op.ReduceSum(product, op.Constant(value_ints=summed), keepdims=0)
+    kept = [c for c in letters if c in output]
+    return op.Transpose(product, perm=[kept.index(c) for c in output]) if kept != list(output) else op.Identity(product)
+
+
+def _einsum_check(node: ir.Node) -> str | None:
+    terms, output = _einsum_terms(node)
+    if "." in "".join(terms) + output or any(len(set(t)) != len(t) for t in terms):
+        return "ellipsis and repeated letters in one operand (diagonals) are not rewritten"
+    return None
+
+
+def _reverse_sequence(op, node, x, lengths):
+    """GatherElements along the time axis with index lengths - 1 - t where t < lengths, else t."""
+    time_axis, rank = node.attributes.get_int("time_axis", 0), _rank(node)
+    steps = op.Squeeze(op.Slice(op.Shape(x), op.Constant(value_ints=[time_axis]), op.Constant(value_ints=[time_axis + 1])))
+    t = op.Range(op.Constant(value_int=0), steps, op.Constant(value_int=1))
+    t = op.Unsqueeze(t, op.Constant(value_ints=[1 - time_axis]))  # (T, 1) or (1, T)
+    lengths = op.Unsqueeze(lengths, op.Constant(value_ints=[time_axis]))  # (1, B) or (B, 1)
+    index = op.Where(op.Less(t, lengths), op.Sub(op.Sub(lengths, op.Constant(value_int=1)), t), t)
+    if rank > 2:
+        index = op.Unsqueeze(index, op.Constant(value_ints=list(range(2, rank))))
+    return op.GatherElements(x, op.Expand(index, op.Shape(x)), axis=time_axis)
+
+
+_ACTIVATIONS = {"Tanh": "Tanh", "Relu": "Relu", "Sigmoid": "Sigmoid"}
+
+
+def _rnn(op, node, x, w, r, b=None, sequence_lens=None, initial_h=None):
+    """RNN unrolled over its static sequence length: h_t = f(x_t·Wᵀ + h_(t-1)·Rᵀ + Wb + Rb)."""
+    hidden, steps = node.attributes.get_int("hidden_size"), x.shape[0]
+    direction = node.attributes.get_string("direction", "forward")
+    dirs = 2 if direction == "bidirectional" else 1
+    acts = list(node.attributes.get_strings("activations", ["Tanh"] * dirs))
+    axis0 = op.Constant(value_ints=[0])
+    xs = [op.Gather(x, op.Constant(value_int=t), axis=0) for t in range(steps)]
+    batch = op.Slice(op.Shape(x), op.Constant(value_ints=[1]), op.Constant(value_ints=[2]))
+    ys, last = [], []
+    for d in range(dirs):
+        pick = op.Constant(value_int=d)
+        wt, rt = (op.Transpose(op.Gather(v, pick, axis=0), perm=[1, 0]) for v in (w, r))
+        bias = None
+        if b is not None:
+            bd = op.Gather(b, pick, axis=0)
+            bias = op.Add(op.Slice(bd, axis0, op.Constant(value_ints=[hidden])),
+                          op.Slice(bd, op.Constant(value_ints=[hidden]), op.Constant(value_ints=[2 * hidden])))
+        h = (op.Gather(initial_h, pick, axis=0) if initial_h is not None
+             else op.Expand(_k(op, 0.0, x), op.Concat(batch, op.Constant(value_ints=[hidden]), axis=0)))
+        order = range(steps - 1, -1, -1) if d == 1 or direction == "reverse" else range(steps)
+        outs = [None] * steps
+        for t in order:
+            pre = op.Add(op.MatMul(xs[t], wt), op.MatMul(h, rt))
+            h = getattr(op, _ACTIVATIONS[acts[d]])(pre if bias is None else op.Add(pre, bias))
+            outs[t] = op.Unsqueeze(h, op.Constant(value_ints=[0, 1]))
+        ys.append(op.Concat(*outs, axis=0))
+        last.append(op.Unsqueeze(h, axis0))
+    y = ys[0] if dirs == 1 else op.Concat(*ys, axis=1)
+    y_h = last[0] if dirs == 1 else op.Concat(*last, axis=0)
+    return (y, y_h) if len(node.outputs) == 2 else y
+
+
+def _rnn_check(node: ir.Node) -> str | None:
+    x = node.inputs[0]
+    if x.shape is None or not isinstance(x.shape[0], int) or x.shape[0] > 64:
+        return "the sequence length is not a static number up to 64"
+    if node.attributes.get_int("layout", 0) or "clip" in node.attributes:
+        return "layout=1 and clip are not rewritten"
+    if len(node.inputs) > 4 and node.inputs[4] is not None:
+        return "sequence_lens is not rewritten"
+    acts = node.attributes.get_strings("activations", ["Tanh"])
+    return None if all(a in _ACTIVATIONS for a in acts) else f"activations {list(acts)} are not rewritten"
+
+
+def _has_rank(node: ir.Node, least: int = 2) -> str | None:
+    shape = node.inputs[0].shape
+    return None if shape is not None and len(shape) >= least else "the rank of the input is unknown"
+
+
+def _extreme_check(node: ir.Node) -> str | None:
+    # NOTE: the rewrite itself holds a ReduceMax/Min read by an Equal (the mask): never rewrite that one again
+    if any(user.op_type == "Equal" for user, _ in node.outputs[0].uses()):
+        return "already decomposed (read by the tie mask)"
+    return None
+
+
+def _gelu_check(node: ir.Node) -> str | None:
+    return None if node.attributes.get_string("approximate", "none") == "tanh" else "erf Gelu has an exact builder gradient"
+
+
+def _double_check(node: ir.Node) -> str | None:
+    if node.inputs[0].dtype != ir.DataType.DOUBLE or len(node.outputs) != 1:
+        return "only float64 single-output LayerNormalization is rewritten (LayerNormalizationGrad is float)"
+    return _has_rank(node)
+
+
+# op_type -> (build, check); check returns the reason not to rewrite, or None
+RULES: dict[str, tuple] = {
+    "Elu": (_elu, None), "Selu": (_selu, None), "Celu": (_celu, None), "HardSigmoid": (_hard_sigmoid, None),
+    "ThresholdedRelu": (_thresholded_relu, None), "Shrink": (_shrink, None), "Gelu": (_gelu_tanh, _gelu_check),
+    "PRelu": (_prelu, None), "Sum": (_sum, None), "Mean": (_mean, None),
+    "ReduceMax": (_reduce_extreme("ReduceMax"), _extreme_check),
+    "ReduceMin": (_reduce_extreme("ReduceMin"), _extreme_check),
+    "ReduceL1": (_reduce_l1, None), "ReduceSumSquare": (_reduce_sum_square, None),
+    "ReduceLogSum": (_reduce_log_sum, None), "LpNormalization": (_lp_normalization, None),
+    "MeanVarianceNormalization": (_mvn, None), "InstanceNormalization": (_instance_norm, _has_rank),
+    "LayerNormalization": (_layer_norm, _double_check), "Trilu": (_trilu, None),
+    "Transpose": (_transpose, _transpose_check), "GlobalMaxPool": (_global_max_pool, _has_rank),
+    "GlobalLpPool": (_global_lp_pool, _has_rank), "LpPool": (_lp_pool, None), "Compress": (_compress, None),
+    "GroupNormalization": (_group_norm, _has_rank), "DequantizeLinear": (_dequantize, _dequantize_check),
+    "OneHot": (_one_hot, None), "CumSum": (_cumsum, _cumsum_check),
+    "DepthToSpace": (_depth_to_space, lambda node: _has_rank(node, 4)),
+    "SpaceToDepth": (_space_to_depth, lambda node: _has_rank(node, 4)), "RNN": (_rnn, _rnn_check),
+    "NegativeLogLikelihoodLoss": (_nll_loss, None), "Einsum": (_einsum, _einsum_check),
+    "ReverseSequence": (_reverse_sequence, _has_rank), "LRN": (_lrn, lambda node: _has_rank(node, 3)),
+}
+
+
+_OUTPUTS = {"RNN": (1, 2)}
+
+
+def _rule(op_type: str, build, check, n_outputs: int = 1) -> RewriteRule:
+    names = ["out"] if n_outputs == 1 else [f"out{i}" for i in range(n_outputs)]
+
+    def pattern(op, x):
+        return getattr(op, op_type)(x, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=names)
+
+    def condition(context, x, **outs) -> MatchResult:
+        result = MatchResult()
+        node = outs[names[0]].producer()
+        if node.domain not in ("", "ai.onnx") or not any(v is not None and v.dtype in _FLOATS for v in node.inputs):
+            return result.fail(f"{op_type}: only nodes of the default domain with a float input are rewritten")
+        if len(node.outputs) != n_outputs:
+            return result.fail(f"{op_type}: the rule is for {n_outputs} output(s)")
+        reason = check(node) if check is not None else None
+        return result.fail(f"{op_type}: {reason}") if reason else result
+
+    def replacement(op, x, **outs):
+        node = outs[names[0]].producer()
+        inputs = list(node.inputs)
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        return build(op, node, *inputs)
+
+    return RewriteRule(pattern, replacement, condition, name=f"Decompose{op_type}{n_outputs}")
+
+
+# NOTE: one rule per output count for the ops whose rewrite returns several outputs
+_RULE_SET = {op_type: [_rule(op_type, build, check, n) for n in _OUTPUTS.get(op_type, (1,))]
+             for op_type, (build, check) in RULES.items()}
+# op_type -> number of outputs the builder's gradient reads
+_COMPLETE = {"LayerNormalization": 3, "SoftmaxCrossEntropyLoss": 2}
+
+
+def _complete_outputs(graph: ir.Graph) -> None:
+    """Gives nodes the optional outputs their builder gradient reads (exporters omit them)."""
+    for node in list(graph):
+        want = _COMPLETE.get(node.op_type)
+        if want is None or node.domain not in ("", "ai.onnx") or len(node.outputs) >= want:
+            continue
+        new = ir.node(node.op_type, list(node.inputs), attributes=dict(node.attributes),
+                      num_outputs=want, name=node.name, metadata_props=dict(node.metadata_props))
+        graph.insert_before(node, new)
+        for old, value in zip(node.outputs, new.outputs):
+            value.name, value.type, value.shape = old.name, old.type, old.shape
+            old.name = None
+            ir.convenience.replace_all_uses_with(old, value, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+
+
+def _initial_states(graph: ir.Graph) -> None:
+    """Gives GRU/LSTM/RNN nodes explicit zero initial states: the builder's GRUGrad/LSTMGrad is invalid without."""
+    states = {"GRU": (5,), "LSTM": (5, 6), "RNN": (5,)}
+    for node in list(graph):
+        slots = states.get(node.op_type)
+        if slots is None or node.domain not in ("", "ai.onnx"):
+            continue
+        x = node.inputs[0]
+        if x is None or x.dtype not in _FLOATS:
+            continue
+        if all(len(node.inputs) > i and node.inputs[i] is not None for i in slots):
+            continue
+        tape = ir.tape.Tape()
+        dirs = 2 if node.attributes.get_string("direction", "forward") == "bidirectional" else 1
+        batch_axis = 0 if node.attributes.get_int("layout", 0) else 1
+        batch = tape.op("Slice", [tape.op("Shape", [x]), _ints(tape, [batch_axis]), _ints(tape, [batch_axis + 1])])
+        hidden = _ints(tape, [node.attributes.get_int("hidden_size")])
+        # NOTE: states are (directions, batch, hidden), or (batch, directions, hidden) with layout=1
+        parts = [batch, _ints(tape, [dirs]), hidden] if batch_axis == 0 else [_ints(tape, [dirs]), batch, hidden]
+        shape = tape.op("Concat", parts, attributes={"axis": 0})
+        zeros = tape.op("ConstantOfShape", [shape], attributes={"value": ir.tensor(np.zeros(1, x.dtype.numpy()))})
+        zeros.dtype = x.dtype
+        graph.insert_before(node, tape.nodes)
+        inputs = list(node.inputs) + [None] * (max(slots) + 1 - len(node.inputs))
+        for i in slots:
+            inputs[i] = inputs[i] if inputs[i] is not None else zeros
+        new = ir.node(node.op_type, inputs, attributes=dict(node.attributes), num_outputs=len(node.outputs),
+                      name=node.name, metadata_props=dict(node.metadata_props))
+        graph.insert_before(node, new)
+        for old, value in zip(node.outputs, new.outputs):
+            value.name, value.type, value.shape = old.name, old.type, old.shape
+            old.name = None
+            ir.convenience.replace_all_uses_with(old, value, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+
+
+def _ints(tape: ir.tape.Tape, values: list[int]) -> ir.Value:
+    return tape.op("Constant", [], attributes={"value": ir.tensor(np.array(values, dtype=np.int64))})
+
+
+def decompose(model: ir.Model) -> ir.Model:
+    """Applies ``RULES`` to the ops of ``model`` that have one, completes nodes, names the unnamed nodes whose
+    gradient comes from ``GRADIENTS`` (the builder prefixes their gradient nodes by name); returns ``model``."""
+    present = {n.op_type for n in model.graph if n.domain in ("", "ai.onnx")}
+    rules = [rule for op in sorted(present & set(_RULE_SET)) for rule in _RULE_SET[op]]
+    if rules:
+        RewriteRuleSet(rules).apply_to_model(model)
+    _complete_outputs(model.graph)
+    _initial_states(model.graph)
+    for i, node in enumerate(model.graph):
+        if node.op_type in GRADIENTS and not node.name:
+            node.name = f"{node.op_type}_{i}"
+    return model

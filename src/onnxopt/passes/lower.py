@@ -1,0 +1,361 @@
+"""Portable steps: the training-only ops of the builder's backward graph lowered to standard ONNX.
+
+- every node whose (domain, op_type) is in ``LOWERINGS`` (``com.microsoft`` gradient kernels such as
+  ReluGrad, SoftmaxGrad_13, ConvGrad, and the default-domain MaxPoolGrad/AveragePoolGrad that only
+  onnxruntime-training knows) is replaced by ai.onnx ops computing the same outputs at the model's opset;
+- any other op outside ai.onnx / ai.onnx.ml raises ``ModelError`` naming the op and the node;
+- ``check_portable`` asserts a model holds standard ops only (stock onnxruntime, onnx.reference).
+
+Each lowering is a function ``(op, *inputs, **attributes)`` written with ``op.<OpType>(...)`` calls, the way
+onnxscript's rewrite rules write replacements; it returns the node's outputs (None for an unused one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from onnxopt.errors import ModelError
+
+__all__ = ["LOWERINGS", "LowerTrainingOpsPass", "lower_training_ops", "check_portable", "STANDARD_DOMAINS"]
+
+MS = "com.microsoft"
+STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+
+
+class _Op:
+    """``op.Add(a, b)``, ``op.Split(x, s, axis=1, _outputs=2)``: nodes recorded on a tape, for one lowered node."""
+
+    def __init__(self, node: ir.Node):
+        self.tape = ir.tape.Tape()
+        self.node = node
+
+    def __getattr__(self, op_type: str):
+        def make(*inputs, _outputs: int = 1, **attributes):
+            attributes = {k: v for k, v in attributes.items() if v is not None}
+            if _outputs == 1:
+                return self.tape.op(op_type, list(inputs), attributes)
+            return self.tape.op_multi_out(op_type, list(inputs), attributes, num_outputs=_outputs)
+        return make
+
+    def const(self, value: float, like: ir.Value) -> ir.Value:
+        """A scalar of ``like``'s type (CastLike of a float64 constant, folded when the step is finished)."""
+        return self.CastLike(self.Constant(value=ir.tensor(np.array(value, np.float64))), like)
+
+    def ints(self, values) -> ir.Value:
+        return self.Constant(value_ints=[int(v) for v in values])
+
+    def wanted(self, i: int) -> bool:
+        """Whether output ``i`` of the node exists and is read."""
+        outs = self.node.outputs
+        return i < len(outs) and bool(outs[i].name) and (bool(list(outs[i].uses())) or outs[i].is_graph_output())
+
+    def forward_input(self, grad: ir.Value) -> ir.Value:
+        """The forward value whose gradient ``grad`` is: the builder names it ``<value>_grad``."""
+        graph = self.node.graph
+        name = grad.name[: -len("_grad")] if grad.name.endswith("_grad") else None
+        for node in graph:
+            for out in node.outputs:
+                if out.name == name:
+                    return out
+        for value in graph.inputs:
+            if value.name == name:
+                return value
+        raise ModelError(f"portable: cannot find the input of {self.node.op_type} node {self.node.name!r} "
+                         f"(expected a value {name!r} named after its output {grad.name!r})")
+
+
+def _unbroadcast(op: _Op, g: ir.Value, target: ir.Value) -> ir.Value:
+    """Sums ``g`` over the axes along which ``target`` was broadcast (any ranks, shapes known at run time)."""
+    g_shape, t_shape = op.Shape(g), op.Shape(target)
+    missing = op.Reshape(op.Sub(op.Size(g_shape), op.Size(t_shape)), op.ints([1]))
+    padded = op.Concat(op.ConstantOfShape(missing, value=ir.tensor(np.array([1], np.int64))), t_shape, axis=0)
+    axes = op.Reshape(op.NonZero(op.Less(padded, g_shape)), op.ints([-1]))
+    return op.Reshape(op.ReduceSum(g, axes, keepdims=1, noop_with_empty_axes=1), t_shape)
+
+
+def _conv_transpose_to(op, dy, w, x, r: int, **attrs) -> ir.Value:
+    """ConvTranspose of dy by w cut or zero-padded to x's spatial size: windows cover the end padding only in
+    part when (size + pads − window) is not a multiple of the stride, so only the begin pads are cropped."""
+    pads = attrs.pop("pads")
+    dx = op.ConvTranspose(dy, w, pads=[*pads[:r], *[0] * r], **attrs)
+    dx = op.Slice(dx, op.ints([0] * r), op.Shape(x, start=2), op.ints(range(2, r + 2)))
+    missing = op.Sub(op.Shape(x, start=2), op.Shape(dx, start=2))
+    return op.Pad(dx, op.Concat(op.ints([0] * (r + 2)), op.ints([0, 0]), missing, axis=0))
+
+
+def relu_grad(op, dy, x):
+    return op.Where(op.Greater(x, op.const(0.0, x)), dy, op.const(0.0, dy))
+
+
+def sigmoid_grad(op, dy, y):
+    return op.Mul(dy, op.Mul(y, op.Sub(op.const(1.0, y), y)))
+
+
+def tanh_grad(op, dy, y):
+    return op.Mul(dy, op.Sub(op.const(1.0, y), op.Mul(y, y)))
+
+
+def leaky_relu_grad(op, dy, y, alpha: float = 0.01):
+    return op.Where(op.Greater(y, op.const(0.0, y)), dy, op.Mul(dy, op.const(alpha, dy)))
+
+
+def gelu(op, x):
+    """0.5·x·(1 + erf(x/√2))."""
+    return op.Mul(op.Mul(op.const(0.5, x), x), op.Add(op.const(1.0, x), op.Erf(op.Mul(x, op.const(math.sqrt(0.5), x)))))
+
+
+def gelu_grad(op, dy, x):
+    """dy·(Φ(x) + x·φ(x)), Φ and φ the normal CDF and density."""
+    cdf = op.Mul(op.const(0.5, x), op.Add(op.const(1.0, x), op.Erf(op.Mul(x, op.const(math.sqrt(0.5), x)))))
+    pdf = op.Mul(op.const(1 / math.sqrt(2 * math.pi), x), op.Exp(op.Mul(op.const(-0.5, x), op.Mul(x, x))))
+    return op.Mul(dy, op.Add(cdf, op.Mul(x, pdf)))
+
+
+def quick_gelu(op, x, alpha: float = 1.702):
+    """x·σ(α·x) (SiLU for α = 1), which the builder fuses from x·Sigmoid(x)."""
+    return op.Mul(x, op.Sigmoid(op.Mul(x, op.const(alpha, x))))
+
+
+def quick_gelu_grad(op, dy, x, alpha: float = 1.702):
+    """dy·(s + α·x·s·(1 − s)), s = σ(α·x)."""
+    s = op.Sigmoid(op.Mul(x, op.const(alpha, x)))
+    ds = op.Mul(op.Mul(op.const(alpha, x), x), op.Mul(s, op.Sub(op.const(1.0, x), s)))
+    return op.Mul(dy, op.Add(s, ds))
+
+
+def softmax_grad(op, dy, y, axis: int = -1):
+    """y·(dy − Σ_axis dy·y)."""
+    return op.Mul(y, op.Sub(dy, op.ReduceSum(op.Mul(dy, y), op.ints([axis]), keepdims=1)))
+
+
+def log_softmax_grad(op, dy, y, axis: int = -1):
+    """dy − exp(y)·Σ_axis dy, y the log-probabilities."""
+    return op.Sub(dy, op.Mul(op.Exp(y), op.ReduceSum(dy, op.ints([axis]), keepdims=1)))
+
+
+def scale(op, x, s, scale_down: int = 0):
+    s = op.CastLike(s, x)
+    return op.Div(x, s) if scale_down else op.Mul(x, s)
+
+
+def div_grad(op, dy, a, b):
+    """d(a/b): dy/b and −dy·a/b², each summed back to its input's shape."""
+    da = _unbroadcast(op, op.Div(dy, b), a) if op.wanted(0) else None
+    db = _unbroadcast(op, op.Neg(op.Div(op.Mul(dy, a), op.Mul(b, b))), b) if op.wanted(1) else None
+    return da, db
+
+
+def gather_elements_grad(op, dy, shape, indices, axis: int = 0):
+    zeros = op.Expand(op.const(0.0, dy), shape)
+    return op.ScatterElements(zeros, indices, dy, axis=axis, reduction="add")
+
+
+def gather_grad(op, shape, indices, dy, axis: int = 0):
+    """Scatter-add of dy into zeros(shape) along ``axis`` (moved to the front, then back)."""
+    if axis == 0:  # NOTE: the embedding case needs no rank
+        return op.ScatterND(op.Expand(op.const(0.0, dy), shape), op.Unsqueeze(indices, op.ints([-1])), dy,
+                            reduction="add")
+    source = shape.producer()
+    r = shape.shape[0] if shape.shape is not None and isinstance(shape.shape[0], int) else (
+        len(source.inputs[0].shape) if source is not None and source.op_type == "Shape"
+        and source.inputs[0].shape is not None else None)
+    q = len(indices.shape) if indices.shape is not None else (
+        len(dy.shape) - r + 1 if dy.shape is not None and r is not None else None)
+    if r is None or q is None:
+        raise ModelError(f"portable: GatherGrad node {op.node.name!r} (axis={axis}) needs the ranks of its data "
+                         "and indices, got unknown ones")
+    axis = axis + r if axis < 0 else axis
+    zeros = op.Expand(op.const(0.0, dy), op.Gather(shape, op.ints([axis, *range(axis), *range(axis + 1, r)])))
+    dy = op.Transpose(dy, perm=[*range(axis, axis + q), *range(axis), *range(axis + q, r + q - 1)])
+    out = op.ScatterND(zeros, op.Unsqueeze(indices, op.ints([-1])), dy, reduction="add")
+    return op.Transpose(out, perm=[*range(1, axis + 1), 0, *range(axis + 1, r)])
+
+
+def slice_grad(op, dy, shape, starts, ends, axes=None, steps=None):
+    """dy written into zeros(shape) where Slice read: the positions come from slicing an iota of ``shape``."""
+    n = op.ReduceProd(shape, keepdims=1)
+    iota = op.Reshape(op.Range(op.Constant(value_int=0), op.Squeeze(n), op.Constant(value_int=1)), shape)
+    positions = op.Reshape(op.Slice(iota, starts, ends, axes, steps), op.ints([-1]))
+    flat = op.ScatterElements(op.Expand(op.const(0.0, dy), n), positions, op.Reshape(dy, op.ints([-1])), axis=0)
+    return op.Reshape(flat, shape)
+
+
+def concat_training(op, *xs, axis: int = 0):
+    """Concat, and the length of every input along ``axis`` (int64), which SplitTraining reads."""
+    out = op.Concat(*xs, axis=axis)
+    lengths = op.Concat(*[op.Gather(op.Shape(x), op.ints([axis])) for x in xs], axis=0) if op.wanted(1) else None
+    return out, lengths
+
+
+def split_training(op, x, split, axis: int = 0, num_outputs: int | None = None):
+    n = len(op.node.outputs)
+    outs = op.Split(x, split, axis=axis, _outputs=n)
+    return outs if n > 1 else [outs]
+
+
+def conv_grad(op, dy, x, w, kernel_shape=None, strides=None, pads=None, dilations=None, group: int = 1,
+              auto_pad: str = "NOTSET"):
+    """dX = ConvTranspose(dy, W) padded to X's size; dW = a grouped Conv of X by dy (batch as channels)."""
+    if auto_pad not in ("NOTSET", "VALID"):
+        raise ModelError(f"portable: ConvGrad node {op.node.name!r} has auto_pad={auto_pad!r}; expected NOTSET or "
+                         "VALID (export the model with explicit pads)")
+    if w.shape is None:
+        raise ModelError(f"portable: ConvGrad node {op.node.name!r} needs the rank of its weight, got unknown")
+    r = len(w.shape) - 2
+    strides, dilations = list(strides or [1] * r), list(dilations or [1] * r)
+    pads = list(pads or [0] * (2 * r))
+    dx = dw = db = None
+    if op.wanted(0):
+        dx = _conv_transpose_to(op, dy, w, x, r, strides=strides, pads=pads, dilations=dilations, group=group)
+    if op.wanted(1):
+        # NOTE: X (N, g·C, *S) -> (C, g·N, *S) and dy (N, O, *T) -> (O, N, *T): a Conv with `group` groups sums
+        # over the batch, strides and dilations trade places; windows past the kernel are cut
+        xs = op.Reshape(x, op.Concat(op.Shape(x, start=0, end=1), op.ints([group, -1]), op.Shape(x, start=2), axis=0))
+        xs = op.Transpose(xs, perm=[2, 1, 0, *range(3, r + 3)])
+        xs = op.Reshape(xs, op.Concat(op.ints([0, -1]), op.Shape(x, start=2), axis=0))
+        dyt = op.Transpose(dy, perm=[1, 0, *range(2, r + 2)])
+        full = op.Conv(xs, dyt, strides=dilations, dilations=strides, pads=pads, group=group)
+        dw = op.Slice(op.Transpose(full, perm=[1, 0, *range(2, r + 2)]), op.ints([0] * r), op.Shape(w, start=2),
+                      op.ints(range(2, r + 2)))
+    if op.wanted(2):
+        db = op.ReduceSum(dy, op.ints([0, *range(2, r + 2)]), keepdims=0)
+    return dx, dw, db
+
+
+def max_pool_grad(op, dy, indices, **_):
+    """Scatter-add of dy at MaxPool's flat indices into zeros of the pooled input's shape."""
+    shape = op.Shape(op.forward_input(op.node.outputs[0]))
+    flat = op.Expand(op.const(0.0, dy), op.ReduceProd(shape, keepdims=1))
+    flat = op.ScatterElements(flat, op.Reshape(indices, op.ints([-1])), op.Reshape(dy, op.ints([-1])), axis=0,
+                              reduction="add")
+    return op.Reshape(flat, shape)
+
+
+def average_pool_grad(op, dy, kernel_shape, strides=None, pads=None, count_include_pad: int = 0, ceil_mode: int = 0,
+                      auto_pad: str = "NOTSET"):
+    """Each dy spread over its window (÷ window size): a ConvTranspose by ones on (N·C, 1, *S)."""
+    if ceil_mode or auto_pad not in ("NOTSET", "VALID"):
+        raise ModelError(f"portable: AveragePoolGrad node {op.node.name!r} has ceil_mode={ceil_mode}, "
+                         f"auto_pad={auto_pad!r}; expected 0 and NOTSET (export the model with explicit pads)")
+    r = len(kernel_shape)
+    strides, pads = list(strides or [1] * r), list(pads or [0] * (2 * r))
+    x = op.forward_input(op.node.outputs[0])
+    ones = op.Expand(op.const(1.0, dy), op.ints([1, 1, *kernel_shape]))
+    flat = op.Reshape(dy, op.Concat(op.ints([-1, 1]), op.Shape(dy, start=2), axis=0))
+    if count_include_pad or not any(pads):
+        flat = op.Div(flat, op.const(float(np.prod(kernel_shape)), dy))
+    else:  # NOTE: windows over the padding hold fewer inputs: count them by pooling ones
+        first = op.Expand(op.const(1.0, dy), op.Concat(op.ints([1, 1]), op.Shape(x, start=2), axis=0))
+        fraction = op.AveragePool(first, kernel_shape=kernel_shape, strides=strides, pads=pads, count_include_pad=1)
+        flat = op.Div(flat, op.Mul(fraction, op.const(float(np.prod(kernel_shape)), dy)))
+    dx = _conv_transpose_to(op, flat, ones, x, r, strides=strides, pads=pads)
+    return op.Reshape(dx, op.Shape(x))
+
+
+def layer_norm_grad(op, dy, x, scale, mean, inv_std, axis: int = -1, **_):
+    """x̂ = (x − mean)·inv_std; dx = inv_std·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)) with ĝ = dy·scale, means over the
+    normalized axes; dscale = Σ dy·x̂ and dbias = Σ dy over the others."""
+    k = len(scale.shape) if scale.shape is not None else None
+    if axis < 0:
+        k = -axis
+    if k is None:
+        raise ModelError(f"portable: LayerNormalizationGrad node {op.node.name!r} needs the rank of its scale")
+    axes = op.ints(range(-k, 0))
+    xhat = op.Mul(op.Sub(x, mean), inv_std)
+    g = op.Mul(dy, scale)
+    inner = op.Sub(op.Sub(g, op.ReduceMean(g, axes, keepdims=1)),
+                   op.Mul(xhat, op.ReduceMean(op.Mul(g, xhat), axes, keepdims=1)))
+    rows = op.Concat(op.ints([-1]), op.Shape(scale), axis=0)
+    dx = op.Mul(inv_std, inner) if op.wanted(0) else None
+    dscale = op.ReduceSum(op.Reshape(op.Mul(dy, xhat), rows), op.ints([0]), keepdims=0) if op.wanted(1) else None
+    dbias = op.ReduceSum(op.Reshape(dy, rows), op.ints([0]), keepdims=0) if op.wanted(2) else None
+    return dx, dscale, dbias
+
+
+# NOTE: found by compiling steps for the models onnxopt supports (MLPs with every activation, losses, updates,
+# penalties, float32/64, torch.onnx exports of CNNs, LayerNorm, Gather/Slice/Concat models): see docs/portable.md
+LOWERINGS = {
+    (MS, "ReluGrad"): relu_grad,
+    (MS, "SigmoidGrad"): sigmoid_grad,
+    (MS, "TanhGrad"): tanh_grad,
+    (MS, "LeakyReluGrad"): leaky_relu_grad,
+    (MS, "Gelu"): gelu,
+    (MS, "GeluGrad"): gelu_grad,
+    (MS, "QuickGelu"): quick_gelu,
+    (MS, "QuickGeluGrad"): quick_gelu_grad,
+    (MS, "SoftmaxGrad_13"): softmax_grad,
+    (MS, "LogSoftmaxGrad_13"): log_softmax_grad,
+    (MS, "Scale"): scale,
+    (MS, "DivGrad"): div_grad,
+    (MS, "GatherGrad"): gather_grad,
+    (MS, "GatherElementsGrad"): gather_elements_grad,
+    (MS, "SliceGrad"): slice_grad,
+    (MS, "ConcatTraining"): concat_training,
+    (MS, "SplitTraining"): split_training,
+    (MS, "ConvGrad"): conv_grad,
+    (MS, "LayerNormalizationGrad"): layer_norm_grad,
+    ("", "MaxPoolGrad"): max_pool_grad,
+    ("", "AveragePoolGrad"): average_pool_grad,
+}
+
+
+def _is_standard(node: ir.Node) -> bool:
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    return domain in STANDARD_DOMAINS and onnx.defs.has(node.op_type, domain)
+
+
+def _lower(node: ir.Node) -> None:
+    fn = LOWERINGS.get((node.domain, node.op_type))
+    if fn is None:
+        raise ModelError(f"portable: op {node.domain or 'ai.onnx'}::{node.op_type} (node {node.name!r}) has no "
+                         f"lowering to standard ONNX yet (lowered ops: {sorted(op for _, op in LOWERINGS)}); "
+                         "compile with portable=False and train with onnxruntime-training")
+    op = _Op(node)
+    attrs = {name: attr.value for name, attr in node.attributes.items()}
+    outs = fn(op, *node.inputs, **attrs)
+    outs = [outs] if isinstance(outs, ir.Value) else list(outs)
+    graph = node.graph
+    graph.insert_before(node, op.tape.nodes)
+    for new in op.tape.nodes:
+        new.metadata_props.update(node.metadata_props)
+    for old, new in zip(node.outputs, outs):
+        if new is None or not old.name:
+            continue
+        if old.is_graph_output() or list(old.uses()):
+            if new.type is None:
+                new.type, new.shape = old.type, old.shape
+            ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+            name, old.name = old.name, None
+            new.name = name
+    graph.remove(node, safe=True)
+
+
+class LowerTrainingOpsPass(ir.passes.InPlacePass):
+    """Replaces every training-only node of the main graph by standard ops (``LOWERINGS``)."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        # NOTE: calls of model functions (the DSL's, inlined later) are not ops; check_portable sees their bodies
+        todo = [n for n in model.graph if not _is_standard(n) and n.op_identifier() not in model.functions]
+        for node in todo:
+            _lower(node)
+        if todo:
+            model.opset_imports.pop(MS, None)
+        return ir.passes.PassResult(model, modified=bool(todo))
+
+
+def lower_training_ops(model: ir.Model) -> ir.Model:
+    """Lowers the training-only ops of ``model`` in place (see the module docstring) and returns it."""
+    return LowerTrainingOpsPass()(model).model
+
+
+def check_portable(model: onnx.ModelProto | ir.Model) -> None:
+    """Raises ModelError if ``model`` holds an op outside the standard domains (or one onnx does not define)."""
+    m = ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else model
+    odd = [(n.domain, n.op_type, n.name) for n in ir.traversal.RecursiveGraphIterator(m.graph) if not _is_standard(n)]
+    if odd:
+        raise ModelError(f"portable: the step holds ops outside {list(STANDARD_DOMAINS)} (domain, op, node): "
+                         f"{odd[:10]}; expected standard ONNX only")

@@ -1,0 +1,388 @@
+"""Gradient coverage of every ONNX op (default domain, opsets 18-21) and the ai.onnx.ml ops skl2onnx emits.
+
+Each op becomes a one-node float64 model (random inputs, valid attributes); the gradient of
+sum(output · cotangent) with respect to every float input, built by onnxopt, is checked against central
+finite differences of the original model run by onnxruntime. The measured status of each op makes the
+table of docs/ops.md, which must be equal: regenerate it with ``python tests/test_op_coverage.py --write``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.defs
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from onnxopt.errors import NotDifferentiableError
+from onnxopt.gradient import gradient_ir
+from onnxopt.modelio import load_model
+from onnxopt.passes.decompose import GRADIENTS
+from onnxopt.rules import lower_for_gradient
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "ops.md"
+ML = "ai.onnx.ml"
+I64 = np.int64
+
+# Ops measured as "not differentiable" without a gradient check, with the reason (no float input is found
+# from the schema, so these are the ops that take floats but have no gradient by nature).
+NATURE = {
+    **{op: "random" for op in ("Bernoulli", "Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform",
+                               "RandomUniformLike")},
+    **{op: "control flow" for op in ("If", "Loop", "Scan")},
+    **{op: "sequence / optional" for op in ("ConcatFromSequence", "SequenceAt", "SequenceConstruct", "SequenceEmpty",
+                                            "SequenceErase", "SequenceInsert", "SequenceLength", "SequenceMap",
+                                            "SplitToSequence", "Optional", "OptionalGetElement",
+                                            "OptionalHasElement")},
+    "QLinearConv": "quantized (integer output)", "QLinearMatMul": "quantized (integer output)",
+    "Constant": "no input", "NonMaxSuppression": "integer output (box indices)",
+    "ImageDecoder": "encoded image input", "Unique": "set semantics (the gradient of its outputs is not defined)",
+}
+# Ops whose derivative is zero wherever it exists: checked as y = x + ΣCast(op(x)) (gradient = cotangent).
+ZERO = {"Floor", "Ceil", "Round", "Sign", "Hardmax", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual",
+        "IsNaN", "IsInf", "ArgMax", "ArgMin", "Shape", "Size", "NonZero", "EyeLike", "QuantizeLinear",
+        "DynamicQuantizeLinear"}
+
+
+@dataclass
+class Case:
+    """One node: ``inputs`` are "kind:shape" strings (float, differentiated), arrays (constants) or None."""
+
+    op: str
+    inputs: list
+    attrs: dict = field(default_factory=dict)
+    outputs: int = 1
+    domain: str = ""
+    dtype: int = TensorProto.DOUBLE
+
+
+def c(op, *inputs, outputs=1, domain="", **attrs) -> Case:
+    return Case(op, list(inputs), attrs, outputs, domain)
+
+
+X = "n:2,3"
+IMG = "n:1,2,4,4"
+W = "n:2,2,3,3"
+SEQ = "n:3,2,4"  # seq_length, batch, input_size
+CASES = [
+    c("Abs", X), c("Acos", "u:2,3"), c("Acosh", "g:2,3"), c("Add", X, "n:3"), c("Asin", "u:2,3"), c("Asinh", X),
+    c("Atan", X), c("Atanh", "u:2,3"), c("AffineGrid", "n:2,2,3", np.array([2, 1, 3, 4], I64)),
+    c("ArgMax", X, axis=1), c("ArgMin", X, axis=1),
+    c("AveragePool", IMG, kernel_shape=[2, 2]), c("BatchNormalization", IMG, "n:2", "n:2", np.array([0.1, -0.2]), np.array([0.5, 2.0])),
+    c("Cast", X, to=TensorProto.DOUBLE), c("CastLike", X, np.zeros(1)), c("Ceil", X), c("Celu", X, alpha=0.8),
+    c("CenterCropPad", "n:4,5", np.array([3, 6], I64)), c("Clip", X, np.array(-0.5), np.array(0.6)),
+    c("Col2Im", "n:1,4,4", np.array([3, 3], I64), np.array([2, 2], I64)),
+    c("Compress", "n:3,2", np.array([True, False, True]), axis=0), c("Concat", X, "n:2,2", axis=1),
+    c("Conv", IMG, W, "n:2", pads=[1, 1, 1, 1]), c("ConvTranspose", IMG, W, "n:2"), c("Cos", X), c("Cosh", X),
+    c("CumSum", X, np.array(1, I64)), c("DFT", "n:1,4,1", None, np.array(1, I64)),
+    c("DeformConv", IMG, W, "n:1,18,2,2"), c("DepthToSpace", "n:1,4,2,3", blocksize=2),
+    c("DequantizeLinear", np.array([[3, 7, 9]], np.uint8), "p:1", np.array(4, np.uint8)), c("Det", "n:3,3"),
+    c("Div", X, "p:2,3"), c("Dropout", X), c("DynamicQuantizeLinear", X, outputs=3),
+    c("Einsum", X, "n:3,2", equation="ij,jk->ik"), c("Elu", X, alpha=0.7), c("Equal", X, "n:2,3"), c("Erf", X),
+    c("Exp", X), c("Expand", "n:3,1", np.array([2, 3, 2], I64)), c("EyeLike", "n:3,3"), c("Flatten", IMG),
+    c("Floor", X), c("GRU", SEQ, "n:1,9,4", "n:1,9,3", "n:1,18", hidden_size=3, outputs=2),
+    c("Gather", "n:4,3", np.array([0, 2, 2], I64)), c("GatherElements", X, np.array([[0, 2], [1, 0]], I64), axis=1),
+    c("GatherND", X, np.array([[1, 0], [0, 2]], I64)), c("Gelu", X), c("Gemm", X, "n:4,3", "n:4", transB=1),
+    c("GlobalAveragePool", IMG), c("GlobalLpPool", IMG), c("GlobalMaxPool", IMG), c("Greater", X, "n:2,3"),
+    c("GreaterOrEqual", X, "n:2,3"), c("GridSample", IMG, "u:1,3,3,2"),
+    c("GroupNormalization", "n:2,4,3", "n:4", "n:4", num_groups=2, stash_type=TensorProto.DOUBLE), c("HardSigmoid", X, alpha=0.3),
+    c("HardSwish", "n:4,5"), c("Hardmax", X), c("Identity", X), c("InstanceNormalization", IMG, "n:2", "n:2"),
+    c("IsInf", X), c("IsNaN", X), c("LRN", IMG, size=3), c("LSTM", SEQ, "n:1,12,4", "n:1,12,3", "n:1,24",
+                                                            hidden_size=3, outputs=3),
+    c("LayerNormalization", "n:2,3,4", "n:4", "n:4"), c("LeakyRelu", X, alpha=0.2), c("Less", X, "n:2,3"),
+    c("LessOrEqual", X, "n:2,3"), c("Log", "p:2,3"), c("LogSoftmax", X), c("LpNormalization", X),
+    c("LpPool", IMG, kernel_shape=[2, 2]), c("MatMul", X, "n:3,4"), c("Max", X, "n:2,3", "n:3"),
+    c("MaxPool", IMG, kernel_shape=[2, 2]), c("MaxRoiPool", IMG, np.array([[0, 0, 0, 2, 2]], np.float64),
+                                                  pooled_shape=[2, 2]),
+    c("MaxUnpool", "n:1,1,2,2", np.array([[[[0, 3], [9, 14]]]], I64), kernel_shape=[2, 2], strides=[2, 2]),
+    c("Mean", X, "n:2,3", "n:3"), c("MeanVarianceNormalization", "n:2,2,3,3"), c("Min", X, "n:2,3", "n:3"),
+    c("MelWeightMatrix", np.array(4, I64), np.array(8, I64), np.array(800, I64), "p:", np.array(300.0)),
+    c("Mish", X), c("Mod", X, "p:2,3", fmod=1), c("Mul", X, "n:2,3"), c("Neg", X),
+    c("NegativeLogLikelihoodLoss", "n:3,4", np.array([1, 0, 3], I64), reduction="mean"),
+    c("NonZero", X), c("OneHot", np.array([1, 0], I64), np.array(3, I64), "n:2"), c("PRelu", X, "n:3"),
+    c("Pad", X, np.array([0, 1, 1, 0], I64), np.array(0.5)), c("Pow", "p:2,3", np.array(2.5)),
+    c("QuantizeLinear", X, np.array(0.1)), c("RNN", SEQ, "n:1,3,4", "n:1,3,3", "n:1,6", hidden_size=3, outputs=2),
+    c("Range", np.array(1.0), np.array(5.0), "p:"), c("Reciprocal", "p:2,3"),
+    *[c(op, "p:2,3,2", np.array([1], I64)) for op in ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp",
+                                                      "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd",
+                                                      "ReduceSum", "ReduceSumSquare")],
+    c("Relu", X), c("Reshape", X, np.array([3, 2], I64)),
+    c("Resize", IMG, None, np.array([1, 1, 2, 2], np.float64), mode="linear"),
+    c("ReverseSequence", "n:3,2", np.array([2, 3], I64), batch_axis=1, time_axis=0),
+    c("RoiAlign", IMG, np.array([[0, 0, 3, 3]], np.float64), np.array([0], I64), output_height=2, output_width=2),
+    c("Round", X), c("STFT", "n:1,8,1", np.array(2, I64), None, np.array(4, I64)),
+    c("ScatterElements", X, np.array([[1], [0]], I64), "n:2,1", axis=1),
+    c("ScatterND", X, np.array([[1]], I64), "n:1,3"), c("Selu", X), c("Shape", X), c("Shrink", X, bias=0.1),
+    c("Sigmoid", X), c("Sign", X), c("Sin", X), c("Sinh", X), c("Size", X),
+    c("Slice", "n:3,4", np.array([1], I64), np.array([3], I64), np.array([1], I64)), c("Softmax", X),
+    c("SoftmaxCrossEntropyLoss", "n:3,4", np.array([1, 0, 3], I64)), c("Softplus", X), c("Softsign", X),
+    c("SpaceToDepth", "n:1,1,4,4", blocksize=2), c("Split", "n:4,3", outputs=2, num_outputs=2, axis=0),
+    c("Sqrt", "p:2,3"), c("Squeeze", "n:2,1,3", np.array([1], I64)), c("Sub", X, "n:2,3"),
+    c("Sum", X, "n:2,3", "n:3"), c("Tan", "u:2,3"), c("Tanh", X), c("ThresholdedRelu", X, alpha=0.3),
+    c("Tile", X, np.array([2, 1], I64)), c("TopK", "n:2,5", np.array([2], I64), outputs=2), c("Transpose", X),
+    c("Trilu", "n:3,4"), c("Unsqueeze", X, np.array([1], I64)), c("Where", np.array([[True, False, True]]), X, "n:2,3"),
+    # ai.onnx.ml ops skl2onnx emits for differentiable models (LinearRegressor/Classifier: see test_ml_rules.py)
+    c("Normalizer", "p:2,3", domain=ML, norm="L2"), c("Scaler", X, domain=ML, offset=[0.1, 0.2, 0.3],
+                                                     scale=[2.0, 0.5, 1.5]),
+]
+
+
+def _value(kind_shape: str, rng) -> np.ndarray:
+    kind, shape = kind_shape.split(":")
+    shape = tuple(int(s) for s in shape.split(",") if s)
+    low, high = {"u": (-0.9, 0.9), "p": (0.5, 2.0), "g": (1.2, 3.0)}.get(kind, (None, None))
+    return rng.normal(size=shape) if kind == "n" else rng.uniform(low, high, size=shape)
+
+
+def _opsets(case: Case) -> list:
+    opsets = [oh.make_opsetid("", 21)]
+    return opsets + [oh.make_opsetid(ML, 3)] if case.domain == ML else opsets
+
+
+def _model(case: Case, feeds: dict, zero: bool):
+    """The one-node model (float inputs are graph inputs, the rest initializers), plus its float output names."""
+    names, inits, inputs = [], [], []
+    for i, value in enumerate(case.inputs):
+        if value is None:
+            names.append("")
+        elif isinstance(value, str):
+            names.append(f"x{i}")
+            inputs.append(oh.make_tensor_value_info(f"x{i}", case.dtype, feeds[f"x{i}"].shape))
+        else:
+            names.append(f"c{i}")
+            value = np.asarray(value)
+            if value.dtype.kind == "f":
+                value = value.astype(np.float64 if case.dtype == TensorProto.DOUBLE else np.float32)
+            inits.append(numpy_helper.from_array(value, f"c{i}"))
+    outs = [f"y{i}" for i in range(case.outputs)]
+    nodes = [oh.make_node(case.op, names, outs, domain=case.domain, name="node", **case.attrs)]
+    if zero:  # z = ΣReduceSum(float inputs) + ΣReduceSum(Cast(outputs)): the gradient is the cotangent
+        terms = []
+        for n in names:
+            if n.startswith("x"):
+                nodes.append(oh.make_node("ReduceSum", [n], [n + "s"], keepdims=0))
+                terms.append(n + "s")
+        for o in outs:
+            nodes += [oh.make_node("Cast", [o], [o + "c"], to=case.dtype),
+                      oh.make_node("ReduceSum", [o + "c"], [o + "s"], keepdims=0)]
+            terms.append(o + "s")
+        nodes.append(oh.make_node("Sum", terms, ["z"]))
+        outs = ["z"]
+    graph = oh.make_graph(nodes, "one", inputs, [oh.make_value_info(o, onnx.TypeProto()) for o in outs], inits)
+    model = oh.make_model(graph, opset_imports=_opsets(case), ir_version=10)
+    return model
+
+
+def _session(model) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4
+    opts.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+class NoForwardKernel(Exception):
+    """onnxruntime cannot run the forward model (no kernel for this type)."""
+
+
+def _check(case: Case, zero: bool) -> None:
+    """Raises unless onnxopt's gradient equals central finite differences."""
+    rng = np.random.default_rng(0)
+    float_np = np.float64 if case.dtype == TensorProto.DOUBLE else np.float32
+    feeds = {f"x{i}": _value(v, rng).astype(float_np) for i, v in enumerate(case.inputs) if isinstance(v, str)}
+    model = _model(case, feeds, zero)
+    try:
+        forward = _session(model)
+    except Exception as exc:
+        raise NoForwardKernel(str(exc)) from exc
+    try:
+        forward.run(None, feeds)
+    except Exception as exc:
+        raise NoForwardKernel(str(exc)) from exc
+    outputs = forward.run(None, feeds)
+    names = [o.name for o in forward.get_outputs()]
+    cot = {n: rng.normal(size=o.shape).astype(o.dtype) for n, o in zip(names, outputs)
+           if o.dtype.kind == "f"}
+
+    run, eps = forward.run, 1e-6
+    rtol = 1e-5 if float_np is np.float64 else 1e-4
+    if float_np is np.float32:  # NOTE: no float64 kernel: differences of onnx's reference runtime in float64
+        try:
+            if case.op in ("Erf", "Gelu"):  # NOTE: onnx's reference computes erf in float32
+                raise NotImplementedError
+            run = _reference(case, feeds, zero)
+            run(None, {k: v.astype(np.float64) for k, v in feeds.items()})
+        except Exception:  # NOTE: the reference lacks the op: float32 differences of onnxruntime, looser
+            run, eps, rtol = forward.run, 1e-3, 5e-3
+
+    def loss(values):
+        if run == forward.run:
+            values = {k: v.astype(float_np) for k, v in values.items()}
+        return sum(float((o * cot[n]).sum()) for n, o in zip(names, run(None, values)) if n in cot)
+
+    grad, _ = gradient_ir(load_model(model), [], list(feeds))
+    sess = _session(onnx.load_from_string(onnx_ir_to_bytes(grad)))
+    wanted = {i.name for i in sess.get_inputs()}
+    run_feeds = {**feeds, **{n + "_grad": g for n, g in cot.items() if n + "_grad" in wanted}}
+    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, run_feeds)))
+    feeds = {k: v.astype(np.float64) for k, v in feeds.items()}  # NOTE: a float32 x + 1e-6 would round
+    for name, base in feeds.items():
+        expected = np.zeros_like(base)
+        for idx in np.ndindex(base.shape):
+            plus, minus = base.copy(), base.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            expected[idx] = (loss({**feeds, name: plus}) - loss({**feeds, name: minus})) / (2 * eps)
+        np.testing.assert_allclose(got[name + "_grad"], expected, rtol=rtol, atol=rtol,
+                                   err_msg=f"{case.op}: gradient of input {name}")
+
+
+def _reference(case: Case, feeds: dict, zero: bool):
+    """``run`` of onnx's reference runtime on the float64 version of the model."""
+    from onnx.reference import ReferenceEvaluator
+
+    case64 = Case(case.op, case.inputs, case.attrs, case.outputs, case.domain, TensorProto.DOUBLE)
+    return ReferenceEvaluator(_model(case64, {k: v.astype(np.float64) for k, v in feeds.items()}, zero)).run
+
+
+def onnx_ir_to_bytes(model) -> bytes:
+    import onnx_ir as ir
+
+    return ir.to_proto(model).SerializeToString()
+
+
+def _rewritten(case: Case) -> bool:
+    """True when onnxopt's lowering replaces the node (float64)."""
+    rng = np.random.default_rng(0)
+    feeds = {f"x{i}": _value(v, rng) for i, v in enumerate(case.inputs) if isinstance(v, str)}
+    lowered = lower_for_gradient(load_model(_model(case, feeds, False)))
+    return not any(n.op_type == case.op for n in lowered.graph)
+
+
+def _failure(exc: Exception) -> str:
+    """The status of an op whose float32 check raised."""
+    text = str(exc)
+    if isinstance(exc, NoForwardKernel):
+        return "not differentiable (no onnxruntime CPU kernel)"
+    if "Could not find an implementation for" in text and "Grad" in text:
+        return "not differentiable (builder gradient has no CPU kernel)"
+    if "could not differentiate" in text:
+        return "not differentiable (builder error)"
+    return f"fails: {type(exc).__name__}: {text.splitlines()[0][:100]}"
+
+
+EXACT = ("builder", "onnxopt rewrite", "onnxopt gradient")
+
+
+def measure(case: Case) -> str:
+    """The status of ``case.op`` as docs/ops.md names it."""
+    zero = case.op in ZERO
+    try:
+        _check(case, zero)
+    except NotDifferentiableError as exc:
+        assert case.op in str(exc) and "'node'" in str(exc), str(exc)  # the error names the op and the node
+        return "not differentiable (no gradient)"
+    except Exception as exc:
+        if case.dtype == TensorProto.FLOAT:
+            return _failure(exc)
+        status = measure(Case(case.op, case.inputs, case.attrs, case.outputs, case.domain, TensorProto.FLOAT))
+        if status not in EXACT and status != "zero gradient":
+            return status
+        # NOTE: no float64 forward kernel in onnxruntime: float64 models cannot hold the op at all
+        return f"{status}, float32 (no float64 {'kernel' if isinstance(exc, NoForwardKernel) else 'gradient kernel'})"
+    if zero:
+        return "zero gradient"
+    if case.op in GRADIENTS:
+        return "onnxopt gradient"
+    return "onnxopt rewrite" if _rewritten(case) else "builder"
+
+
+def _has_float_input(op: str) -> bool:
+    schema = onnx.defs.get_schema(op, 21, "")
+    floats = {"tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)"}
+    allowed = {tc.type_param_str: set(tc.allowed_type_strs) for tc in schema.type_constraints}
+    return any(floats & allowed.get(i.type_str, {i.type_str}) for i in schema.inputs)
+
+
+def default_ops() -> list[str]:
+    ops = set()
+    for schema in onnx.defs.get_all_schemas_with_history():
+        for version in (18, 19, 20, 21):
+            try:
+                if schema.domain == "" and not onnx.defs.get_schema(schema.name, version, "").deprecated:
+                    ops.add(schema.name)
+            except onnx.defs.SchemaError:
+                pass
+    return sorted(ops)
+
+
+def table() -> dict[tuple[str, str], str]:
+    """(domain, op) -> status for every op."""
+    cases = {(case.domain, case.op): case for case in CASES}
+    out = {}
+    for op in default_ops():
+        if op in NATURE:
+            out["", op] = f"not differentiable ({NATURE[op]})"
+        elif ("", op) not in cases:
+            assert not _has_float_input(op), f"{op} takes float inputs but has no case"
+            out["", op] = "not differentiable (no float input)"
+    for key, case in cases.items():
+        if VERBOSE:
+            print(case.op, end=" ", flush=True)
+        out[key] = measure(case)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][0], kv[0][1])))
+
+
+def render(statuses: dict[tuple[str, str], str]) -> str:
+    lines = [row for (domain, op), status in statuses.items()
+             for row in [f"| {op} | {domain or 'ai.onnx'} | {status} |"]]
+    counts: dict[str, int] = {}
+    for status in statuses.values():
+        counts[status] = counts.get(status, 0) + 1
+    summary = [f"| {status} | {n} |" for status, n in sorted(counts.items())]
+    return "\n".join(["| status | ops |", "|---|---|", *summary, "", "| op | domain | status |", "|---|---|---|",
+                      *lines])
+
+
+VERBOSE = False
+BEGIN, END = "<!-- ops-table: begin -->", "<!-- ops-table: end -->"
+
+
+def documented() -> str:
+    text = DOCS.read_text()
+    return text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip()
+
+
+@pytest.fixture(scope="module")
+def statuses():
+    return table()
+
+
+def test_docs_table_is_measured(statuses):
+    assert render(statuses) == documented(), "docs/ops.md is stale: run python tests/test_op_coverage.py --write"
+
+
+# NOTE: Dropout belongs to the training/eval mode pass (passes/modes.py); its status is shown, not asserted here
+ELSEWHERE = {"Dropout"}
+
+
+def test_no_failures_and_counts(statuses):
+    failing = {k: s for k, s in statuses.items() if s.startswith("fails") and k[1] not in ELSEWHERE}
+    assert not failing
+    derivative = sum(s.split(",")[0] in EXACT for s in statuses.values())
+    zero = sum(s.startswith("zero gradient") for s in statuses.values())
+    assert derivative >= 90 and zero >= 18, (derivative, zero)
+
+
+if __name__ == "__main__" and "--write" in sys.argv:
+    text = DOCS.read_text()
+    DOCS.write_text(text[:text.index(BEGIN) + len(BEGIN)] + "\n" + render(table()) + "\n" + text[text.index(END):])
+elif __name__ == "__main__":
+    VERBOSE = True
+    for (domain, op), status in table().items():
+        print(f"{op:28s} {status}")
