@@ -195,3 +195,49 @@ def test_portable_step_is_standard_and_trains_the_same(activation, rng):
     X, y = rng.normal(size=(16, 4)).astype(np.float32), rng.integers(0, 3, 16)
     a, b = onnxopt.Runner(plain), onnxopt.Runner(portable)
     np.testing.assert_allclose([b.step(X, y) for _ in range(4)], [a.step(X, y) for _ in range(4)], rtol=1e-6)
+
+
+def test_avgpool_cnn_with_dynamic_batch_trains_like_torch():
+    # NOTE: onnxruntime-training 1.19.2's AveragePoolGrad kills the process (SIGFPE) with a dynamic batch length;
+    # compile_train_step lowers it even when the step need not be portable (passes.lower.BROKEN_KERNELS).
+    import io
+
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.AvgPool2d(2), torch.nn.Flatten(),
+                              torch.nn.Linear(18, 1))
+    X = R.normal(size=(4, 1, 8, 8)).astype(np.float32)
+    y = R.normal(size=4).astype(np.float32)
+    f = io.BytesIO()
+    torch.onnx.export(net, (torch.tensor(X),), f, dynamo=False, input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
+    step = onnxopt.compile_train_step(onnx.load_from_string(f.getvalue()), loss="square", learning_rate=0.1)
+    assert not any(n.op_type == "AveragePoolGrad" for n in step.model.graph.node)
+    runner = onnxopt.Runner(step)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        expected = ((net(torch.tensor(X)).reshape(-1) - torch.tensor(y)) ** 2).mean()
+        expected.backward()
+        opt.step()
+        np.testing.assert_allclose(runner.step(X, y), expected.item(), rtol=1e-5)
+
+
+def test_float64_leaky_relu_step_runs_on_the_training_build(rng):
+    # NOTE: the training build has no float64 LeakyReluGrad kernel: the step lowers it (BROKEN_FLOAT64_KERNELS)
+    import torch
+
+    step = onnxopt.compile_train_step(mlp([3, 5, 1], activation="LeakyRelu", dtype=np.float64), learning_rate=0.1)
+    assert not any(n.op_type == "LeakyReluGrad" for n in step.model.graph.node)
+    w = {k: torch.tensor(v, requires_grad=True) for k, v in step.initial_weights().items()}
+    X, y = rng.normal(size=(6, 3)), rng.normal(size=6)
+    runner, opt = onnxopt.Runner(step), torch.optim.SGD(list(w.values()), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        hidden = torch.nn.functional.leaky_relu(torch.tensor(X) @ w["coef_0"] + w["bias_0"],
+                                                float(np.float32(0.01)))  # NOTE: ONNX attributes are float32
+        expected = ((hidden @ w["coef_1"] + w["bias_1"]).reshape(-1) - torch.tensor(y)).pow(2).mean()
+        expected.backward()
+        opt.step()
+        assert runner.step(X, y) == pytest.approx(expected.item(), rel=1e-12)

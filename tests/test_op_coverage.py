@@ -113,7 +113,7 @@ CASES = [
                                                       "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd",
                                                       "ReduceSum", "ReduceSumSquare")],
     c("Relu", X), c("Reshape", X, np.array([3, 2], I64)),
-    c("Resize", IMG, None, np.array([1, 1, 2, 2], np.float64), mode="linear"),
+    c("Resize", IMG, None, np.array([1, 1, 2, 3], np.float32)),
     c("ReverseSequence", "n:3,2", np.array([2, 3], I64), batch_axis=1, time_axis=0),
     c("RoiAlign", IMG, np.array([[0, 0, 3, 3]], np.float64), np.array([0], I64), output_height=2, output_width=2),
     c("Round", X), c("STFT", "n:1,8,1", np.array(2, I64), None, np.array(4, I64)),
@@ -128,8 +128,9 @@ CASES = [
     c("Tile", X, np.array([2, 1], I64)), c("TopK", "n:2,5", np.array([2], I64), outputs=2), c("Transpose", X),
     c("Trilu", "n:3,4"), c("Unsqueeze", X, np.array([1], I64)), c("Where", np.array([[True, False, True]]), X, "n:2,3"),
     # ai.onnx.ml ops skl2onnx emits for differentiable models (LinearRegressor/Classifier: see test_ml_rules.py)
-    c("Normalizer", "p:2,3", domain=ML, norm="L2"), c("Scaler", X, domain=ML, offset=[0.1, 0.2, 0.3],
-                                                     scale=[2.0, 0.5, 1.5]),
+    # NOTE: their outputs are float32 whatever the input: checked in float32
+    Case("Normalizer", ["p:2,3"], {"norm": "L2"}, 1, ML, TensorProto.FLOAT),
+    Case("Scaler", [X], {"offset": [0.1, 0.2, 0.3], "scale": [2.0, 0.5, 1.5]}, 1, ML, TensorProto.FLOAT),
 ]
 
 
@@ -157,7 +158,7 @@ def _model(case: Case, feeds: dict, zero: bool):
         else:
             names.append(f"c{i}")
             value = np.asarray(value)
-            if value.dtype.kind == "f":
+            if value.dtype == np.float64:  # NOTE: float64 constants follow the case's type, float32 ones stay
                 value = value.astype(np.float64 if case.dtype == TensorProto.DOUBLE else np.float32)
             inits.append(numpy_helper.from_array(value, f"c{i}"))
     outs = [f"y{i}" for i in range(case.outputs)]
@@ -220,26 +221,36 @@ def _check(case: Case, zero: bool) -> None:
         except Exception:  # NOTE: the reference lacks the op: float32 differences of onnxruntime, looser
             run, eps, rtol = forward.run, 1e-3, 5e-3
 
-    def loss(values):
-        if run == forward.run:
-            values = {k: v.astype(float_np) for k, v in values.items()}
-        return sum(float((o * cot[n]).sum()) for n, o in zip(names, run(None, values)) if n in cot)
-
     grad, _ = gradient_ir(load_model(model), [], list(feeds))
     sess = _session(onnx.load_from_string(onnx_ir_to_bytes(grad)))
     wanted = {i.name for i in sess.get_inputs()}
     run_feeds = {**feeds, **{n + "_grad": g for n, g in cot.items() if n + "_grad" in wanted}}
     got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, run_feeds)))
     feeds = {k: v.astype(np.float64) for k, v in feeds.items()}  # NOTE: a float32 x + 1e-6 would round
-    for name, base in feeds.items():
-        expected = np.zeros_like(base)
-        for idx in np.ndindex(base.shape):
-            plus, minus = base.copy(), base.copy()
-            plus[idx] += eps
-            minus[idx] -= eps
-            expected[idx] = (loss({**feeds, name: plus}) - loss({**feeds, name: minus})) / (2 * eps)
-        np.testing.assert_allclose(got[name + "_grad"], expected, rtol=rtol, atol=rtol,
-                                   err_msg=f"{case.op}: gradient of input {name}")
+
+    def compare(run, eps, rtol):
+        def loss(values):
+            if run == forward.run:
+                values = {k: v.astype(float_np) for k, v in values.items()}
+            return sum(float((o * cot[n]).sum()) for n, o in zip(names, run(None, values)) if n in cot)
+
+        for name, base in feeds.items():
+            expected = np.zeros_like(base)
+            for idx in np.ndindex(base.shape):
+                plus, minus = base.copy(), base.copy()
+                plus[idx] += eps
+                minus[idx] -= eps
+                expected[idx] = (loss({**feeds, name: plus}) - loss({**feeds, name: minus})) / (2 * eps)
+            np.testing.assert_allclose(got[name + "_grad"], expected, rtol=rtol, atol=rtol,
+                                       err_msg=f"{case.op}: gradient of input {name}")
+
+    try:
+        compare(run, eps, rtol)
+    except AssertionError:
+        if float_np is np.float32:
+            raise
+        # NOTE: onnxruntime computes some float64 ops in float32 (Shrink): onnx's float64 reference decides
+        compare(_reference(case, feeds, zero), eps, rtol)
 
 
 def _reference(case: Case, feeds: dict, zero: bool):
@@ -376,7 +387,7 @@ def test_no_failures_and_counts(statuses):
     assert not failing
     derivative = sum(s.split(",")[0] in EXACT for s in statuses.values())
     zero = sum(s.startswith("zero gradient") for s in statuses.values())
-    assert derivative >= 90 and zero >= 18, (derivative, zero)
+    assert derivative >= 108 and zero >= 19, (derivative, zero)  # NOTE: measured on 2026-11-23; onnx-ad: 113 + 37
 
 
 if __name__ == "__main__" and "--write" in sys.argv:

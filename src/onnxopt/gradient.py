@@ -17,7 +17,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as passes
 
 from onnxopt.errors import ModelError, NotDifferentiableError, WeightError
-from onnxopt.modelio import ModelLike, check_protobuf_size, load_model
+from onnxopt.modelio import ModelLike, check_protobuf_size, load_model, require_training_build
 from onnxopt.passes.modes import apply_mode
 
 __all__ = ["train_initializers", "gradient_model", "gradient_ir", "FLOAT_TYPES", "agent_model", "TrainingAgent"]
@@ -267,6 +267,7 @@ def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = 
     """Runs ORT's builder on ``m``: forward, a ``com.microsoft:YieldOp``, backward; every initializer an input."""
     from onnxopt.rules import lower_for_gradient
 
+    require_training_build("the gradient graph")  # NOTE: gradient_model, ForwardBackward, compile on stock ORT
     check_protobuf_size(m, "onnxruntime-training's gradient builder")
     m = ir.from_proto(ir.to_proto(m))
     # NOTE: BatchNormalization and Dropout as written; ORT's builder would swap in a kernel that writes the

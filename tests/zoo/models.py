@@ -3,9 +3,10 @@
 Every model is built with a fixed seed and exported once per session (``exported``). A case is
 ``<model>-<exporter>``:
 
-- ``dynamo``: ``torch.onnx.export(model, args)`` at the exporter's default opset;
-- ``dynamo18``: the same at ``opset_version=18`` (GELU, LayerNorm... decomposed into primitive ops);
-- ``script``: TorchScript, ``dynamo=False`` (constant folding on: BatchNorm folds into Conv/Gemm);
+- ``dynamo``: ``torch.onnx.export(model, args)`` at the exporter's default opset (BatchNorm folds into the
+  Conv/Gemm before it, Dropout disappears, some parameters become transposed ``val_N`` copies);
+- ``dynamo18``: the same at ``opset_version=18`` (GELU written with Erf/Tanh and 0-d scalar initializers);
+- ``script``: TorchScript, ``dynamo=False`` (BatchNorm folds into a Conv, stays after a Gemm);
 - ``script_train``: TorchScript with ``training=TrainingMode.TRAINING`` (BatchNorm and Dropout kept as in
   training), only for the models that carry them.
 """
@@ -122,16 +123,14 @@ TORCH_MODELS: dict[str, TorchSpec] = {
 
 
 def make_module(name: str, p: float | None = None) -> nn.Module:
-    """The model ``name`` with seeded weights; BatchNorm gets non-trivial affine weights and statistics.
-
-    # NOTE: every parameter gets a little noise: torch's ones/zeros initializations (LayerNorm, attention
-    biases) would be equal tensors, which TorchScript merges into one initializer on export.
-    """
+    """The model ``name`` with seeded weights; BatchNorm gets non-trivial affine weights and statistics."""
     torch.manual_seed(0)
     spec = TORCH_MODELS[name]
     module = spec.build() if p is None else spec.build(p)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
+        # NOTE: noise on every parameter: torch's ones/zeros initializations (LayerNorm, attention biases) are
+        # equal tensors, which both exporters merge into one initializer (then no 1:1 match with torch)
         for param in module.parameters():
             param.add_(0.05 * torch.randn(param.shape, generator=gen))
         for m in module.modules():

@@ -5,10 +5,12 @@
   (Asin, Sinh, Softplus, Mish, ...; Floor, Ceil, Round, Sign, Hardmax get a zero gradient).
 - ``RULES``: one rewrite per op type into standard ops with exact builder gradients, for ops whose
   gradient depends on attributes (Elu, Selu, HardSigmoid, ``Gelu(approximate="tanh")``, ...), variadic
-  and reduction ops (Sum, Mean, ReduceMax, ReduceL1, ...) and normalizations (InstanceNormalization, ...).
+  and reduction ops (Sum, Mean, ReduceMax, ReduceL1, ...), normalizations (InstanceNormalization, ...),
+  layout ops (DepthToSpace, CumSum, Einsum, ReverseSequence...) and RNN (unrolled over its static length).
 - Completed nodes: LayerNormalization gets its optional Mean/InvStdDev outputs (the builder's gradient
-  reads them), SoftmaxCrossEntropyLoss its log-probabilities; float64 LayerNormalization is rewritten
-  (its gradient kernel is float only).
+  reads them), SoftmaxCrossEntropyLoss its log-probabilities, GRU/LSTM/RNN explicit zero initial states
+  (GRUGrad/LSTMGrad are invalid without); float64 LayerNormalization is rewritten (its gradient kernel is
+  float only).
 """
 
 from __future__ import annotations
@@ -206,7 +208,8 @@ def _reduce_log_sum(op, node, x, axes=None):
 def _lp_normalization(op, node, x):
     axes = op.Constant(value_ints=[node.attributes.get_int("axis", -1)])
     p = node.attributes.get_int("p", 2)
-    norm = op.ReduceL2(x, axes, keepdims=1) if p == 2 else op.ReduceSum(op.Abs(x), axes, keepdims=1)
+    # NOTE: Sqrt(ReduceSum(x²)), not ReduceL2: onnxruntime has no float64 ReduceL2
+    norm = op.Sqrt(op.ReduceSum(op.Mul(x, x), axes, keepdims=1)) if p == 2 else op.ReduceSum(op.Abs(x), axes, keepdims=1)
     return op.Div(x, norm)
 
 
@@ -472,6 +475,110 @@ def _reverse_sequence(op, node, x, lengths):
     return op.GatherElements(x, op.Expand(index, op.Shape(x)), axis=time_axis)
 
 
+def _resize_factors(node: ir.Node) -> list[int] | None:
+    """The integer factor of each axis of a nearest Resize given constant scales or sizes, else None."""
+    x = node.inputs[0]
+    scales = node.inputs[2] if len(node.inputs) > 2 else None
+    sizes = node.inputs[3] if len(node.inputs) > 3 else None
+    if x.shape is None or not all(isinstance(d, int) for d in x.shape):
+        return None
+    if scales is not None and scales.const_value is not None and scales.const_value.size:
+        factors = scales.const_value.numpy().astype(np.float64)
+    elif sizes is not None and sizes.const_value is not None:
+        factors = sizes.const_value.numpy() / np.array(list(x.shape), dtype=np.float64)
+    else:
+        return None
+    if len(factors) != len(x.shape) or not np.all((factors >= 1) & (factors == np.round(factors))):
+        return None
+    return [int(f) for f in factors]
+
+
+def _resize(op, node, x, *_):
+    """Nearest Resize by integer factors: each element repeated (Unsqueeze, Expand, Reshape), a copy."""
+    factors, dims = _resize_factors(node), list(x.shape)
+    y = op.Unsqueeze(x, op.Constant(value_ints=[2 * i + 1 for i in range(len(dims))]))
+    y = op.Expand(y, op.Constant(value_ints=[v for d, f in zip(dims, factors) for v in (d, f)]))
+    return op.Reshape(y, op.Constant(value_ints=[d * f for d, f in zip(dims, factors)]))
+
+
+def _resize_check(node: ir.Node) -> str | None:
+    if node.attributes.get_string("mode", "nearest") != "nearest" or _resize_factors(node) is None:
+        return "only nearest Resize by constant integer factors of a static shape is rewritten"
+    # NOTE: with integer factors, these modes all pick source index floor(i / factor)
+    if node.attributes.get_string("coordinate_transformation_mode", "half_pixel") not in (
+            "asymmetric", "half_pixel", "pytorch_half_pixel"):
+        return "this coordinate_transformation_mode is not rewritten"
+    if node.attributes.get_string("nearest_mode", "round_prefer_floor") not in ("floor", "round_prefer_floor"):
+        return "this nearest_mode is not rewritten"
+    return None
+
+
+def _conv_transpose(op, node, x, w, b=None):
+    """ConvTranspose as a Conv: zeros inserted between the inputs (stride), borders padded by k - 1 - pad, the
+    kernel flipped and its channel axes swapped."""
+    dims, kernel = list(x.shape), list(w.shape[2:])
+    rank = len(dims)
+    strides = list(node.attributes.get_ints("strides", [1] * (rank - 2)))
+    pads = list(node.attributes.get_ints("pads", [0] * 2 * (rank - 2)))
+    extra = list(node.attributes.get_ints("output_padding", [0] * (rank - 2)))
+    y = x
+    for i, axis in enumerate(range(2, rank)):
+        n, stride = dims[axis], strides[i]
+        if stride > 1:  # NOTE: (.., n, 1, ..) padded to (.., n, stride, ..), reshaped, the trailing zeros cut
+            y = op.Unsqueeze(y, op.Constant(value_ints=[axis + 1]))
+            widths = [0] * 2 * (len(dims) + 1)
+            widths[len(dims) + 1 + axis + 1] = stride - 1
+            y = op.Pad(y, op.Constant(value_ints=widths))
+            shape = [0, 0] + dims[2:]
+            shape[axis] = n * stride
+            y = op.Reshape(y, op.Constant(value_ints=shape))
+            y = op.Slice(y, op.Constant(value_ints=[0]), op.Constant(value_ints=[(n - 1) * stride + 1]),
+                         op.Constant(value_ints=[axis]))
+            dims[axis] = (n - 1) * stride + 1
+    k = [kernel[i] - 1 for i in range(rank - 2)]
+    borders = [0, 0] + [k[i] - pads[i] for i in range(rank - 2)] + [0, 0] + [
+        k[i] - pads[rank - 2 + i] + extra[i] for i in range(rank - 2)]
+    y = op.Pad(y, op.Constant(value_ints=borders))
+    flipped = op.Transpose(w, perm=[1, 0] + list(range(2, rank)))
+    for axis in range(2, rank):
+        flipped = op.Gather(flipped, op.Constant(value_ints=list(range(kernel[axis - 2] - 1, -1, -1))), axis=axis)
+    return op.Conv(y, flipped) if b is None else op.Conv(y, flipped, b)
+
+
+def _conv_transpose_check(node: ir.Node) -> str | None:
+    x, w = node.inputs[0], node.inputs[1]
+    if x.shape is None or w.shape is None or not all(isinstance(d, int) for d in list(x.shape[2:]) + list(w.shape)):
+        return "the spatial shape or the kernel shape is not static"
+    if node.attributes.get_int("group", 1) != 1 or any(d != 1 for d in node.attributes.get_ints("dilations", [1])):
+        return "groups and dilations are not rewritten"
+    if node.attributes.get_string("auto_pad", "NOTSET") != "NOTSET" or "output_shape" in node.attributes:
+        return "auto_pad and output_shape are not rewritten"
+    kernel, pads = list(w.shape[2:]), list(node.attributes.get_ints("pads", [0] * 2 * len(w.shape[2:])))
+    if any(p > kernel[i % len(kernel)] - 1 for i, p in enumerate(pads)):
+        return "pads larger than kernel - 1 are not rewritten"
+    return None
+
+
+def _max_unpool(op, node, x, indices):
+    """Zeros of the output's size, x scattered at the (whole-tensor flat) indices, reshaped."""
+    dims, rank = list(x.shape), len(x.shape)
+    kernel = list(node.attributes.get_ints("kernel_shape"))
+    strides = list(node.attributes.get_ints("strides", [1] * (rank - 2)))
+    pads = list(node.attributes.get_ints("pads", [0] * 2 * (rank - 2)))
+    out = dims[:2] + [(dims[2 + i] - 1) * strides[i] - pads[i] - pads[rank - 2 + i] + kernel[i] for i in range(rank - 2)]
+    flat = op.Constant(value_ints=[-1])
+    zeros = op.Expand(_k(op, 0.0, x), op.Constant(value_ints=[int(np.prod(out))]))
+    y = op.ScatterElements(zeros, op.Reshape(indices, flat), op.Reshape(x, flat), axis=0)
+    return op.Reshape(y, op.Constant(value_ints=out))
+
+
+def _max_unpool_check(node: ir.Node) -> str | None:
+    x = node.inputs[0]
+    if len(node.inputs) > 2 and node.inputs[2] is not None:
+        return "output_shape is not rewritten"
+    return None if x.shape is not None and all(isinstance(d, int) for d in x.shape) else "the shape is not static"
+
+
 _ACTIVATIONS = {"Tanh": "Tanh", "Relu": "Relu", "Sigmoid": "Sigmoid"}
 
 
@@ -560,7 +667,8 @@ RULES: dict[str, tuple] = {
     "DepthToSpace": (_depth_to_space, lambda node: _has_rank(node, 4)),
     "SpaceToDepth": (_space_to_depth, lambda node: _has_rank(node, 4)), "RNN": (_rnn, _rnn_check),
     "NegativeLogLikelihoodLoss": (_nll_loss, None), "Einsum": (_einsum, _einsum_check),
-    "ReverseSequence": (_reverse_sequence, _has_rank), "LRN": (_lrn, lambda node: _has_rank(node, 3)),
+    "ReverseSequence": (_reverse_sequence, _has_rank), "Resize": (_resize, _resize_check),
+    "ConvTranspose": (_conv_transpose, _conv_transpose_check), "MaxUnpool": (_max_unpool, _max_unpool_check), "LRN": (_lrn, lambda node: _has_rank(node, 3)),
 }
 
 
@@ -606,14 +714,19 @@ def _complete_outputs(graph: ir.Graph) -> None:
         want = _COMPLETE.get(node.op_type)
         if want is None or node.domain not in ("", "ai.onnx") or len(node.outputs) >= want:
             continue
-        new = ir.node(node.op_type, list(node.inputs), attributes=dict(node.attributes),
-                      num_outputs=want, name=node.name, metadata_props=dict(node.metadata_props))
-        graph.insert_before(node, new)
-        for old, value in zip(node.outputs, new.outputs):
-            value.name, value.type, value.shape = old.name, old.type, old.shape
-            old.name = None
-            ir.convenience.replace_all_uses_with(old, value, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        _rebuild(graph, node, list(node.inputs), want)
+
+
+def _rebuild(graph: ir.Graph, node: ir.Node, inputs: list, n_outputs: int) -> None:
+    """Replaces ``node`` by the same op on ``inputs`` with ``n_outputs`` outputs, keeping names and uses."""
+    new = ir.node(node.op_type, inputs, attributes=dict(node.attributes), num_outputs=n_outputs,
+                  name=node.name, metadata_props=dict(node.metadata_props))
+    graph.insert_before(node, new)
+    for old, value in zip(node.outputs, new.outputs):
+        value.name, value.type, value.shape = old.name, old.type, old.shape
+        old.name = None
+        ir.convenience.replace_all_uses_with(old, value, replace_graph_outputs=True)
+    graph.remove(node, safe=True)
 
 
 def _initial_states(graph: ir.Graph) -> None:
@@ -642,14 +755,36 @@ def _initial_states(graph: ir.Graph) -> None:
         inputs = list(node.inputs) + [None] * (max(slots) + 1 - len(node.inputs))
         for i in slots:
             inputs[i] = inputs[i] if inputs[i] is not None else zeros
-        new = ir.node(node.op_type, inputs, attributes=dict(node.attributes), num_outputs=len(node.outputs),
-                      name=node.name, metadata_props=dict(node.metadata_props))
-        graph.insert_before(node, new)
-        for old, value in zip(node.outputs, new.outputs):
-            value.name, value.type, value.shape = old.name, old.type, old.shape
-            old.name = None
-            ir.convenience.replace_all_uses_with(old, value, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        _rebuild(graph, node, inputs, len(node.outputs))
+
+
+def _expand_where_branches(graph: ir.Graph) -> None:
+    """``Where(c, a, b)`` -> ``Where(c, Expand(a, s), Expand(b, s))`` for a branch not known to have the output's
+    shape: ORT's Where gradient does not sum a broadcast branch back to its shape (a trained (1,) tensor would
+    get a full-shaped gradient); Expand's does. ``s`` is the shape of a copy of the node (no cycle)."""
+    for node in list(graph):
+        if node.op_type != "Where" or node.domain not in ("", "ai.onnx") or node.outputs[0].dtype not in _FLOATS:
+            continue
+        out = node.outputs[0]
+        todo = [i for i in (1, 2) if node.inputs[i] is not None and not _same_shape(node.inputs[i], out)
+                and (node.inputs[i].producer() is None or node.inputs[i].producer().op_type != "Constant")]
+        if not todo:
+            continue
+        tape = ir.tape.Tape()
+        shape = tape.op("Shape", [tape.op("Where", list(node.inputs))])
+        inputs = list(node.inputs)
+        for i in todo:
+            inputs[i] = tape.op("Expand", [inputs[i], shape])
+            inputs[i].dtype = out.dtype
+        graph.insert_before(node, tape.nodes)
+        for i in todo:
+            node.replace_input_with(i, inputs[i])
+
+
+def _same_shape(value: ir.Value, out: ir.Value) -> bool:
+    a, b = value.shape, out.shape
+    return a is not None and b is not None and len(a) == len(b) and all(
+        isinstance(x, int) and x == y for x, y in zip(a, b))
 
 
 def _ints(tape: ir.tape.Tape, values: list[int]) -> ir.Value:
@@ -659,6 +794,8 @@ def _ints(tape: ir.tape.Tape, values: list[int]) -> ir.Value:
 def decompose(model: ir.Model) -> ir.Model:
     """Applies ``RULES`` to the ops of ``model`` that have one, completes nodes, names the unnamed nodes whose
     gradient comes from ``GRADIENTS`` (the builder prefixes their gradient nodes by name); returns ``model``."""
+    # NOTE: on the model's own Where nodes (typed by shape inference), before the rules add theirs
+    _expand_where_branches(model.graph)
     present = {n.op_type for n in model.graph if n.domain in ("", "ai.onnx")}
     rules = [rule for op in sorted(present & set(_RULE_SET)) for rule in _RULE_SET[op]]
     if rules:

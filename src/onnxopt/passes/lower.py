@@ -20,7 +20,8 @@ import onnx_ir as ir
 
 from onnxopt.errors import ModelError
 
-__all__ = ["LOWERINGS", "LowerTrainingOpsPass", "lower_training_ops", "check_portable", "STANDARD_DOMAINS"]
+__all__ = ["LOWERINGS", "LowerTrainingOpsPass", "lower_training_ops", "check_portable", "STANDARD_DOMAINS", "BROKEN_KERNELS",
+           "BROKEN_FLOAT64_KERNELS"]
 
 MS = "com.microsoft"
 STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
@@ -54,9 +55,10 @@ class _Op:
         return i < len(outs) and bool(outs[i].name) and (bool(list(outs[i].uses())) or outs[i].is_graph_output())
 
     def forward_input(self, grad: ir.Value) -> ir.Value:
-        """The forward value whose gradient ``grad`` is: the builder names it ``<value>_grad``."""
+        """The forward value whose gradient ``grad`` is: the builder names it ``<value>_grad`` (followed by a
+        suffix when the value has several consumers whose gradients are summed)."""
         graph = self.node.graph
-        name = grad.name[: -len("_grad")] if grad.name.endswith("_grad") else None
+        name = grad.name.rsplit("_grad", 1)[0] if "_grad" in (grad.name or "") else None
         for node in graph:
             for out in node.outputs:
                 if out.name == name:
@@ -228,7 +230,9 @@ def conv_grad(op, dy, x, w, kernel_shape=None, strides=None, pads=None, dilation
 
 def max_pool_grad(op, dy, indices, **_):
     """Scatter-add of dy at MaxPool's flat indices into zeros of the pooled input's shape."""
-    shape = op.Shape(op.forward_input(op.node.outputs[0]))
+    pool = indices.producer()
+    shape = op.Shape(pool.inputs[0] if pool is not None and pool.op_type == "MaxPool"
+                     else op.forward_input(op.node.outputs[0]))
     flat = op.Expand(op.const(0.0, dy), op.ReduceProd(shape, keepdims=1))
     flat = op.ScatterElements(flat, op.Reshape(indices, op.ints([-1])), op.Reshape(dy, op.ints([-1])), axis=0,
                               reduction="add")
@@ -337,19 +341,32 @@ def _lower(node: ir.Node) -> None:
 class LowerTrainingOpsPass(ir.passes.InPlacePass):
     """Replaces every training-only node of the main graph by standard ops (``LOWERINGS``)."""
 
+    def __init__(self, ops: set[tuple[str, str]] | None = None):
+        super().__init__()
+        self.ops = ops  # NOTE: None = every training-only op; a set = only those (domain, op_type)
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         # NOTE: calls of model functions (the DSL's, inlined later) are not ops; check_portable sees their bodies
-        todo = [n for n in model.graph if not _is_standard(n) and n.op_identifier() not in model.functions]
+        todo = [n for n in model.graph if not _is_standard(n) and n.op_identifier() not in model.functions
+                and (self.ops is None or (n.domain, n.op_type) in self.ops)]
         for node in todo:
             _lower(node)
-        if todo:
+        if todo and not any(n.domain == MS for n in model.graph):
             model.opset_imports.pop(MS, None)
         return ir.passes.PassResult(model, modified=bool(todo))
 
 
-def lower_training_ops(model: ir.Model) -> ir.Model:
-    """Lowers the training-only ops of ``model`` in place (see the module docstring) and returns it."""
-    return LowerTrainingOpsPass()(model).model
+# Training-build kernels that are wrong to run even when the step need not be portable: AveragePoolGrad
+# kills the process (SIGFPE) with a dynamic batch length in onnxruntime-training 1.19.2; LeakyReluGrad has no
+# float64 kernel.
+BROKEN_KERNELS = {("", "AveragePoolGrad")}
+BROKEN_FLOAT64_KERNELS = {(MS, "LeakyReluGrad")}
+
+
+def lower_training_ops(model: ir.Model, ops: set[tuple[str, str]] | None = None) -> ir.Model:
+    """Lowers the training-only ops of ``model`` in place (only ``ops`` when given, see the module docstring)
+    and returns it."""
+    return LowerTrainingOpsPass(ops)(model).model
 
 
 def check_portable(model: onnx.ModelProto | ir.Model) -> None:
