@@ -193,6 +193,43 @@ def _reduce_extreme(reduce: str):
     return build
 
 
+def _reduce_prod(op, node, x, axes=None):
+    """The product as a chain of Mul over slices, one reduced axis at a time: its gradient (products of the
+    other factors) is exact where x has zeros, which ``prod / x`` is not. Needs static sizes (checked)."""
+    rank, shape = len(x.shape), x.shape
+    for axis in _prod_axes(node, rank):
+        parts = op.Split(x, axis=axis, num_outputs=shape[axis], _outputs=shape[axis]) if shape[axis] > 1 else [x]
+        x = parts[0]
+        for part in list(parts)[1:]:
+            x = op.Mul(x, part)
+    keep = node.attributes.get_int("keepdims", 1)
+    return x if keep else op.Squeeze(x, op.Constant(value_ints=_prod_axes(node, rank)))
+
+
+def _prod_axes(node: ir.Node, rank: int) -> list[int]:
+    axes = node.inputs[1] if len(node.inputs) > 1 else None
+    if axes is None:
+        return [] if node.attributes.get_int("noop_with_empty_axes", 0) else list(range(rank))
+    return sorted(int(a) % rank for a in axes.const_value.numpy().reshape(-1))
+
+
+def _reduce_prod_check(node: ir.Node) -> str | None:
+    shape, axes = node.inputs[0].shape, node.inputs[1] if len(node.inputs) > 1 else None
+    if shape is None or (axes is not None and axes.const_value is None):
+        return "the rank or the axes are unknown"
+    if any(not isinstance(shape[a], int) for a in _prod_axes(node, len(shape))):
+        return "a reduced axis has no static size"
+    return None
+
+
+def _range(op, node, start, limit, delta):
+    """start + i·delta for i < max(ceil((limit - start) / delta), 0), as the spec defines it: the builder
+    differentiates it in start and delta (limit only moves the length: zero gradient)."""
+    n = op.Cast(op.Max(op.Ceil(op.Div(op.Sub(limit, start), delta)), _k(op, 0.0, start)), to=ir.DataType.INT64)
+    i = op.Range(op.Constant(value_int=0), n, op.Constant(value_int=1))
+    return op.Add(start, op.Mul(op.CastLike(i, start), delta))
+
+
 def _reduce_l1(op, node, x, axes=None):
     return _reduce_sum(op, node, op.Abs(x), axes)
 
@@ -653,7 +690,8 @@ def _double_check(node: ir.Node) -> str | None:
 RULES: dict[str, tuple] = {
     "Elu": (_elu, None), "Selu": (_selu, None), "Celu": (_celu, None), "HardSigmoid": (_hard_sigmoid, None),
     "ThresholdedRelu": (_thresholded_relu, None), "Shrink": (_shrink, None), "Gelu": (_gelu_tanh, _gelu_check),
-    "PRelu": (_prelu, None), "Sum": (_sum, None), "Mean": (_mean, None),
+    "PRelu": (_prelu, None), "Sum": (_sum, None), "Mean": (_mean, None), "Range": (_range, None),
+    "ReduceProd": (_reduce_prod, _reduce_prod_check),
     "ReduceMax": (_reduce_extreme("ReduceMax"), _extreme_check),
     "ReduceMin": (_reduce_extreme("ReduceMin"), _extreme_check),
     "ReduceL1": (_reduce_l1, None), "ReduceSumSquare": (_reduce_sum_square, None),
