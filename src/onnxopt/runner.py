@@ -209,10 +209,7 @@ class Runner:
             return self._deferred(raw, keep)
         if self._pending:
             self._synced = [self.sync()]
-        try:
-            self.session._sess.run_with_iobinding(raw, None)
-        except Exception as exc:  # NOTE: ORT's shape/type errors, turned into one naming the batch
-            raise self._data_error(keep, exc) from exc
+        self._run(raw, keep)
         self.n_runs += 1
         loss = float(self._loss_host[self._current])
         if not math.isfinite(loss):
@@ -227,24 +224,26 @@ class Runner:
         self._previous_valid = True
         return loss
 
+    def _run(self, raw, keep) -> None:
+        """One session run of ``raw``; ORT's shape/type errors become a DataError naming the batch."""
+        try:
+            self.session._sess.run_with_iobinding(raw, None)
+        except Exception as exc:
+            raise self._data_error(keep, exc) from exc
+
     def _deferred(self, raw, keep) -> None:
         if self._pending == _HISTORY:
             self._synced = [self.sync()]
         if not self._pending:
             self._snapshot = {**self.get_weights(), **self.get_state()}
         if self.device == "cpu":  # NOTE: the loss lands in a host scalar: copying it costs less than rebinding
-            try:
-                self.session._sess.run_with_iobinding(raw, None)
-            except Exception as exc:
-                raise self._data_error(keep, exc) from exc
+            self._run(raw, keep)
             self._history_host[self._pending] = self._loss_host[self._current]
         else:
             slot = self._history.data_ptr() + self._pending * self.dtype.itemsize
             raw.bind_output(self.train_step.loss, self._device, self.dtype, [], slot)
             try:
-                self.session._sess.run_with_iobinding(raw, None)
-            except Exception as exc:
-                raise self._data_error(keep, exc) from exc
+                self._run(raw, keep)
             finally:
                 raw.bind_ortvalue_output(self.train_step.loss, self._loss_values[self._current])
         self.n_runs += 1
