@@ -84,3 +84,20 @@ def test_memory_in_a_fresh_process_and_sgemm_references():
     assert fresh_rss("W2", "no such competitor") is None
     refs = sgemm_gflops(32, 64, 64, threads=1, repeat=3)
     assert set(refs) == {"numpy matmul", "ORT MatMul (MLAS)"} and min(refs.values()) > 0
+
+
+def test_portable_comparison_says_why_it_skipped(tmp_path, capsys):
+    import sys
+
+    from onnxopt.bench.portable import bench_section
+    from onnxopt.cli import main as cli
+
+    md = tmp_path / "b.md"
+    write_markdown(str(md), "table\n")
+    bench_section(["--workloads", "W2", "--out-md", str(md)], None, log=lambda _: None)
+    # NOTE: this interpreter's onnxruntime is the training build: nothing to compare with
+    bench_section(["--workloads", "W1-sgd", "--out-md", str(md)], sys.executable, log=lambda _: None)
+    text = md.read_text()
+    assert text.index("Skipped: none of W1-sgd") < text.index(f"Skipped: {sys.executable} has onnxruntime-training")
+    assert text.index("expected stock onnxruntime") < text.index(END)
+    assert cli(["bench", "--help"]) == 0 and "--portable-python PATH" in capsys.readouterr().out

@@ -145,3 +145,128 @@ def test_where_branch_broadcast_weight_gets_its_own_shape_gradient(shape):
         d[i] = eps
         fd[i] = (loss(w0 + d) - loss(w0 - d)) / (2 * eps)
     np.testing.assert_allclose(w0 - runner.get_weights()["w"], fd, rtol=1e-6)
+
+
+class _SpatialTransformer(nn.Module):
+    """affine_grid, grid_sample, fmod and det: AffineGrid, GridSample, Mod and Det in the TorchScript export."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = nn.Linear(16, 6)
+        self.divisor = nn.Parameter(torch.tensor([1.7]))
+
+    def forward(self, x):
+        theta = self.theta(x.flatten(1)).view(-1, 2, 3)
+        grid = nn.functional.affine_grid(theta, [x.shape[0], 1, 3, 3], align_corners=False)
+        y = nn.functional.grid_sample(x, grid, align_corners=False)
+        # NOTE: det of a near-identity matrix: Det's gradient det(A)·A⁻ᵀ is NaN where A is singular
+        return torch.fmod(y.flatten(1) * 3, self.divisor) + torch.det(y[:, 0] * 0.2 + torch.eye(3))[:, None]
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_spatial_transformer_gradient_equals_torch(dynamo):
+    torch.manual_seed(3)
+    net, x = _SpatialTransformer(), torch.randn(2, 1, 4, 4)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            model = torch.onnx.export(net, (x,), dynamo=True, opset_version=20, verbose=False).model_proto
+        else:
+            torch.onnx.export(net, (x,), buffer, dynamo=False, opset_version=20, input_names=["x"])
+            model = onnx.load_from_string(buffer.getvalue())
+    ops = {n.op_type for n in model.graph.node}
+    assert {"GridSample", "Mod", "Det"} <= ops and (dynamo or "AffineGrid" in ops)
+    fb = onnxopt.ForwardBackward(model)
+    out = fb.forward(x.numpy())[0].copy()  # NOTE: ORT may reuse the output's memory in backward
+    cot = np.random.default_rng(0).normal(size=out.shape).astype(np.float32)
+    got = fb.backward(cot)
+    expected = net(x.requires_grad_())
+    np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-5, atol=1e-5)
+    (expected * torch.from_numpy(cot)).sum().backward()
+    np.testing.assert_allclose(got[fb.input_names[0]], x.grad.numpy(), rtol=1e-4, atol=1e-5)  # GridSample's image
+    params = dict(net.named_parameters())
+    for name, grad in got.items():
+        if name in params:
+            np.testing.assert_allclose(grad, params[name].grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+    assert {"theta.weight", "divisor"} <= set(got)
+
+
+def _forms():
+    from test_op_coverage import c
+
+    i64, rois = np.int64, np.array([[0.5, 0.2, 3.1, 2.8], [-1.0, 1.0, 6.0, 3.5], [1.0, 0.0, 2.0, 1.5]])
+    return [
+        c("Mod", "w:2,3", "p:3", fmod=1), c("Mod", "w:3", "p:2,1", fmod=1), c("Det", "n:2,3,3"),
+        c("Mod", np.array([[7.5, -9.1, 4.2]]), "p:2,3", fmod=1),  # NOTE: a constant dividend, a divisor to train
+        c("Unique", "n:4,2", axis=1, sorted=0, outputs=2), c("Unique", "n:5"),
+        c("AffineGrid", "n:2,3,4", np.array([2, 1, 2, 3, 2], i64), align_corners=1),
+        c("CenterCropPad", "n:2,5,3", np.array([4, 6], i64), axes=[1, 2]),
+        c("Col2Im", "n:1,8,12", np.array([4, 5], i64), np.array([2, 2], i64), strides=[2, 1], pads=[1, 0, 1, 1],
+          dilations=[1, 2]),
+        *[c("GridSample", "n:2,2,3,4", "n:2,3,2,2", mode=m, padding_mode=p, align_corners=a)
+          for m, p, a in (("linear", "border", 1), ("linear", "zeros", 1), ("nearest", "zeros", 0))],
+        c("DFT", "n:2,5,2", None, np.array(1, i64), inverse=1), c("DFT", "n:3,4,1", np.array(6, i64), np.array(0, i64)),
+        c("DFT", "n:2,6,1", np.array(4, i64), np.array(1, i64), onesided=1),
+        c("STFT", "n:2,9,1", np.array(3, i64), "n:4"), c("STFT", "n:1,8,2", np.array(2, i64), "n:4", onesided=0),
+        c("RoiAlign", "n:2,2,5,4", rois, np.array([0, 1, 1], i64), output_height=2, output_width=3,
+          sampling_ratio=2, spatial_scale=0.8),
+        c("RoiAlign", "n:2,1,4,4", rois, np.array([1, 0, 0], i64), coordinate_transformation_mode="output_half_pixel"),
+        c("MaxRoiPool", "n:2,2,5,6", np.array([[0, 0.6, 1.2, 4.4, 3.0], [1, -2, 1, 3, 7], [1, 8, 8, 9, 9]]),
+          pooled_shape=[2, 3], spatial_scale=0.9),  # NOTE: the third box is outside the image: zeros
+    ]
+
+
+@pytest.mark.parametrize("case", _forms(), ids=lambda case: case.op)
+def test_more_forms_of_new_rules_match_finite_differences(case):
+    """Forms the coverage table does not measure (broadcasting, strides, paddings, modes, complex input...): the
+    gradient equals finite differences, and the lowered model computes the op's values."""
+    import onnx_ir as ir
+    from onnx.reference import ReferenceEvaluator
+    from test_op_coverage import EXACT, Case, _model, _session, _value, measure
+
+    from onnxopt.modelio import load_model
+    from onnxopt.rules import lower_for_gradient
+
+    status = measure(case)
+    assert status.split(",")[0] in EXACT
+    if "float32" in status:
+        case = Case(case.op, case.inputs, case.attrs, case.outputs, case.domain, onnx.TensorProto.FLOAT)
+    rng = np.random.default_rng(1)
+    feeds = {f"x{i}": _value(v, rng).astype(np.float32 if "float32" in status else np.float64)
+             for i, v in enumerate(case.inputs) if isinstance(v, str)}
+    model = _model(case, feeds, False)
+    lowered = ir.to_proto(lower_for_gradient(load_model(model)))
+    # NOTE: against onnx's reference (onnxruntime 1.19's STFT of a complex signal returns garbage, 1e119), or
+    # onnxruntime where the reference lacks the op (MaxRoiPool) or is wrong (Unique along an axis, unsorted)
+    run = _session(model).run if case.op in ("MaxRoiPool", "Unique") else ReferenceEvaluator(model).run
+    for got, expected in zip(_session(lowered).run(None, feeds), run(None, feeds)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5 if "float32" in status else 1e-7, atol=1e-6)
+
+
+def test_grid_sample_with_a_dynamic_batch_matches_finite_differences():
+    """The GridSample rewrite leaves the batch size dynamic: one gradient model serves batches of 1 and 3."""
+    from onnx import TensorProto
+
+    g = oh.make_graph([oh.make_node("Mul", ["x", "w"], ["xw"]), oh.make_node("GridSample", ["xw", "grid"], ["y"])],
+                      "gs", [oh.make_tensor_value_info("x", TensorProto.DOUBLE, ["N", 2, 3, 4]),
+                             oh.make_tensor_value_info("grid", TensorProto.DOUBLE, ["N", 2, 3, 2])],
+                      [oh.make_tensor_value_info("y", TensorProto.DOUBLE, ["N", 2, 2, 3])],
+                      [onh.from_array(np.array([[[[1.5]], [[-0.5]]]]), "w")])
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 20)], ir_version=10)
+    fb = onnxopt.ForwardBackward(model)
+    forward = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(4)
+    for n in (1, 3):
+        feeds = {"x": rng.normal(size=(n, 2, 3, 4)), "grid": rng.uniform(-1.2, 1.2, size=(n, 2, 3, 2))}
+        cot = rng.normal(size=(n, 2, 2, 3))
+        fb.forward(feeds)
+        got = fb.backward(cot)
+        for name, base in feeds.items():
+            expected = np.zeros_like(base)
+            for i in np.ndindex(base.shape):
+                d = np.zeros_like(base)
+                d[i] = 1e-6
+                plus, minus = (forward.run(None, {**feeds, name: base + s * d})[0] for s in (1, -1))
+                expected[i] = ((plus - minus) * cot).sum() / 2e-6
+            np.testing.assert_allclose(got[name], expected, rtol=1e-6, atol=1e-7, err_msg=f"{name}, batch {n}")

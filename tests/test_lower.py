@@ -68,6 +68,7 @@ def _cases():
     y3 = R.normal(size=(2, 3, 4))
     return {
         "ReluGrad": ({"dY": a, "X": b}, {}, [(3, 4)]),
+        "ReluGrad-relu": ({"dY": a, "Z": np.where(np.arange(12).reshape(3, 4) % 5 == 0, 0.0, b)}, {}, [(3, 4)]),
         "SigmoidGrad": ({"dY": a, "Y": R.uniform(0, 1, (3, 4))}, {}, [(3, 4)]),
         "TanhGrad": ({"dY": a, "Y": R.uniform(-1, 1, (3, 4))}, {}, [(3, 4)]),
         "LeakyReluGrad": ({"dY": a, "Y": b}, {"alpha": 0.2}, [(3, 4)]),
@@ -118,10 +119,13 @@ def _model(case: str, dtype) -> onnx.ModelProto:
     out_info = [oh.make_tensor_value_info(n, t, s) for n, t, s in zip(outs, out_elem, out_shapes)]
     if op_type.endswith("PoolGrad"):  # NOTE: the lowering reads the pooled input's shape from the graph (X)
         info.append(oh.make_tensor_value_info("X", elem, out_shapes[0]))
-    node = oh.make_node(op_type, list(inputs), outs, domain=DOMAIN[op_type], **attrs)
+    names, prelude = list(inputs), []
+    if case == "ReluGrad-relu":  # NOTE: ReluGrad of a Relu's output (as the builder emits it) lowers to dy·Sign(y)
+        names, prelude = ["dY", "X"], [oh.make_node("Relu", ["Z"], ["X"])]
+    node = oh.make_node(op_type, names, outs, domain=DOMAIN[op_type], **attrs)
     keep = [oh.make_node("Identity", ["X"], ["X_copy"])] if op_type.endswith("PoolGrad") else []
     extra = [oh.make_tensor_value_info("X_copy", elem, out_shapes[0])] if keep else []
-    graph = oh.make_graph([node, *keep], case, info, out_info + extra)
+    graph = oh.make_graph([*prelude, node, *keep], case, info, out_info + extra)
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid(MS, 1)], ir_version=9)
 
 
@@ -155,6 +159,8 @@ def test_lowering_matches_training_kernel(case, dtype):
     lowered = ir.to_proto(lower_training_ops(ir.from_proto(model)))
     check_portable(lowered)
     onnx.checker.check_model(lowered, full_check=True)
+    if case.startswith("ReluGrad"):
+        assert ("Sign" in {n.op_type for n in lowered.graph.node}) == (case == "ReluGrad-relu")
     try:
         got = _run(lowered, _feeds(case, dtype))
     except Exception as exc:  # NOTE: onnxruntime has no float64 Conv/ConvTranspose: onnx.reference runs them

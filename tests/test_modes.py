@@ -260,3 +260,28 @@ def test_statistics_from_constant_nodes_become_initializers():
     runner.step(X, X.sum(axis=1))
     exported = {t.name: onnx.numpy_helper.to_array(t) for t in runner.export().graph.initializer}
     np.testing.assert_allclose(exported["bn.running_mean"], 0.1 * X.mean(axis=0), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_gradient_model_and_forward_backward_take_a_mode(mlp_train_export, mode):
+    """gradient_model(mode=) and ForwardBackward(mode=) give torch's gradients in that mode."""
+    model, net = mlp_train_export
+    net = copy.deepcopy(net).train(mode == "train")
+    X = np.random.default_rng(2).normal(size=(8, 4)).astype(np.float32)
+    expected = net(torch.from_numpy(X))
+    expected.sum().backward()
+    grad = onnxopt.gradient_model(model, fill_grad=True, mode=mode)
+    from onnxruntime import InferenceSession
+
+    sess = InferenceSession(grad.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {i.name: X if i.name == "X" else onnx.numpy_helper.to_array(
+        next(t for t in model.graph.initializer if t.name == i.name)) for i in sess.get_inputs()}
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    np.testing.assert_allclose(out["1.weight_grad"], net[1].weight.grad.numpy(), rtol=1e-4, atol=1e-5)
+    fb = onnxopt.ForwardBackward(model, mode=mode)
+    y = fb.forward(X)
+    np.testing.assert_allclose(y[0], expected.detach().numpy(), rtol=1e-4, atol=1e-5)
+    grads = fb.backward(np.ones_like(y[0]))
+    np.testing.assert_allclose(grads["0.weight"], net[0].weight.grad.numpy(), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        onnxopt.gradient_model(model, mode="inference")

@@ -208,14 +208,32 @@ def test_trainer_takes_a_saved_step(tmp_path, rng):
         onnxopt.Trainer(step, loss="square", **fit).fit(X, y.astype(np.float32))
 
 
-
-def test_bench_portable_worker_times_a_saved_step(tmp_path, capsys):
-    from onnxopt.bench.portable import main
+def test_bench_portable_worker_times_a_saved_step(tmp_path):
+    from onnxopt.bench.portable import serve
     from onnxopt.bench.workloads import WORKLOADS
 
     wl = WORKLOADS["W2"]
     onnxopt.compile_train_step(wl.model(), loss=wl.loss, learning_rate=wl.lr, portable=True).save(tmp_path / "s.onnx")
-    # NOTE: the worker side of `python -m onnxopt.bench.portable`; compare() runs it once per configuration
-    assert main(["--time", str(tmp_path / "s.onnx"), "--workload", "W2", "--blocks", "2"]) == 0
-    pairs = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(pairs) == 2 and all(wall > 0 and cpu > 0 for wall, cpu in pairs)
+    # NOTE: the worker side of compare(): its versions and kernels, then one block per line read
+    out = io.StringIO()
+    serve(str(tmp_path / "s.onnx"), "W2", 1, stdin=io.StringIO("\n\n"), stdout=out)
+    info, *blocks = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert info["kernels"] > 5 and info["onnxruntime"] and len(blocks) == 2
+    assert all(wall > 0 and cpu > 0 for wall, cpu in blocks)
+
+
+def test_bench_compares_the_portable_step_on_stock_onnxruntime(venv313):
+    from onnxopt.bench.portable import compare, find_python, markdown
+
+    exe, about = find_python(venv313)
+    assert exe == venv313 and "onnxruntime 1." in about, about
+    row = compare(["W1-sgd"], venv313, turns=2, epochs=1, log=lambda _: None)["W1-sgd"]
+    ours, stock, both = row["training build"], row["portable, stock"], row["portable, training build"]
+    assert tuple(map(int, stock["python"].split(".")[:2])) >= (3, 13)
+    assert stock["onnxruntime"] != ours["onnxruntime"] == both["onnxruntime"]
+    # NOTE: the training build runs ReluGrad (and, with passes.kernels, bias updates) as single kernels
+    assert stock["kernels"] == both["kernels"] > ours["kernels"]
+    assert all(0.2 < r < 5 for r in row["ratio"]), row["ratio"]
+    text = markdown({"W1-sgd": row}, "note")
+    assert f"| W1-sgd | portable, stock | {stock['python']} | {stock['onnxruntime']} | {stock['kernels']} |" in text
+    assert "| W1-sgd | portable on stock / training build ≤ 1.1 |" in text

@@ -47,13 +47,15 @@ class ForwardBackward:
         weights: initializers to differentiate; None = every real weight (``train_initializers``).
         inputs: model inputs whose gradient backward returns; None = every float input, ``[]`` = none.
         device: "cpu" or "cuda".
+        mode: "train" or "eval" for Dropout and BatchNormalization (``compile_train_step``'s meaning, running
+            statistics not updated); None = each node as its ``training_mode`` says.
 
     The weights live in ``ForwardBackward`` as OrtValues (``get_weights``/``set_weights``) unless a call
     passes ``weights=``. Do not modify an output in place before its backward: ORT may reuse it there.
     """
 
     def __init__(self, model: ModelLike, weights: Sequence[str] | None = None,
-                 inputs: Sequence[str] | None = None, device: str = "cpu"):
+                 inputs: Sequence[str] | None = None, device: str = "cpu", mode: str | None = None):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
         m = load_model(model)
@@ -72,7 +74,7 @@ class ForwardBackward:
                 raise ModelError(f"inputs: {name!r} has no gradient (expected a float input, "
                                  f"found {types[name]})")
         self.grad_input_names = [n for n in self.input_names if n in inputs]
-        proto, self._no_grad = agent_model(m, self.weight_names, self.grad_input_names)
+        proto, self._no_grad = agent_model(m, self.weight_names, self.grad_input_names, mode)
         self._dtypes = {n: ir.DataType(types[n]).numpy() for n in self.input_names}
         self._agent = TrainingAgent(proto, len(self.output_names), device)
         inits = m.graph.initializers

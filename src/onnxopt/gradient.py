@@ -76,17 +76,43 @@ def _is_weight(value: ir.Value, computed: set[str] = frozenset()) -> bool:
     return any(idx not in _NON_WEIGHT_SLOTS.get(node.op_type, ()) for node, idx in uses)
 
 
+_FEATURE_WISE = {"Sub", "Div", "Mul", "Add"}
+_PASS_THROUGH = {"Cast", "Identity", "Reshape", "Flatten"}
+
+
+def _preprocessing_constants(m: ir.Model) -> set[str]:
+    """skl2onnx models: the constants of the feature-wise Sub/Div/Mul/Add applied to the raw inputs before any
+    other op (a pipeline's StandardScaler in float64, MinMaxScaler, the mean PCA or PLS subtract): fitted
+    statistics of a transformer, not coefficients of the estimator."""
+    if m.producer_name != "skl2onnx":
+        return set()
+    features, found = set(m.graph.inputs), set()
+    for node in m.graph:  # NOTE: topological order: a feature value's consumers come after it
+        inputs = [v for v in node.inputs if v is not None]
+        if not any(v in features for v in inputs):
+            continue
+        consts = [v for v in inputs if v not in features]
+        if node.op_type in _PASS_THROUGH and node.inputs[0] in features:
+            features.update(node.outputs)
+        elif node.op_type in _FEATURE_WISE and all(v.is_initializer() for v in consts):
+            features.update(node.outputs)
+            found.update(v.name for v in consts)
+    return found
+
+
 def _weight_names(m: ir.Model) -> list[str]:
     computed = {v.name for node in m.graph for v in node.outputs} | {v.name for v in m.graph.inputs}
-    return [name for name, v in m.graph.initializers.items() if _is_weight(v, computed)]
+    skip = _preprocessing_constants(m)
+    return [name for name, v in m.graph.initializers.items() if name not in skip and _is_weight(v, computed)]
 
 
 def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
     """Returns the real weights of ``model``: float initializers except those read only as shapes, axes,
     indices, bounds, BatchNormalization statistics, Dropout ratios, Pow exponents, comparison operands or
-    RNN initial states, 0-d scalars, constants the dynamo exporter folded from its temporaries, and
-    one-element ±1 constants read only as ``1 - x`` or ``x·(±1)`` (pass ``weights=`` to train those; see
-    docs/modes.md).
+    RNN initial states, 0-d scalars, constants the dynamo exporter folded from its temporaries,
+    one-element ±1 constants read only as ``1 - x`` or ``x·(±1)``, and in skl2onnx models the constants of
+    feature-wise Sub/Div/Mul/Add on the raw inputs (scalers' statistics); pass ``weights=`` to train those
+    (see docs/modes.md).
 
     >>> from onnxopt.examples import linear_regression
     >>> sorted(train_initializers(linear_regression(3)))
@@ -239,6 +265,8 @@ def _fix(node: ir.Node, weights: Sequence[str]) -> str:
     """What the user can change for a node the builder fails on."""
     if node.op_type in ("BatchNormalization", "Dropout"):
         return "compile_train_step(mode='train' or 'eval') rewrites this op"
+    if node.op_type == "Pad":
+        return "pad with a constant (torch: padding_mode='zeros', F.pad(..., mode='constant')) where a gradient flows"
     trained = [v.name for v in node.inputs[1:] if v is not None and v.name in weights]
     if trained:
         return (f"if {trained} are not parameters, leave them out with frozen={trained} (or list the weights "
@@ -263,16 +291,18 @@ def _missing_gradients(m: ir.Model, weights: Sequence[str], inputs: Sequence[str
     return missing
 
 
-def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = ()) -> ir.Model:
-    """Runs ORT's builder on ``m``: forward, a ``com.microsoft:YieldOp``, backward; every initializer an input."""
+def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (), mode: str | None = None
+                   ) -> ir.Model:
+    """Runs ORT's builder on ``m``: forward, a ``com.microsoft:YieldOp``, backward; every initializer an input.
+    ``mode`` ("train", "eval", None = each node as written) rewrites Dropout and BatchNormalization."""
     from onnxopt.rules import lower_for_gradient
 
     require_training_build("the gradient graph")  # NOTE: gradient_model, ForwardBackward, compile on stock ORT
     check_protobuf_size(m, "onnxruntime-training's gradient builder")
     m = ir.from_proto(ir.to_proto(m))
-    # NOTE: BatchNormalization and Dropout as written; ORT's builder would swap in a kernel that writes the
-    # running statistics in place (compile_train_step applies its mode= before, so none are left then)
-    apply_mode(m, None)
+    # NOTE: BatchNormalization and Dropout as written or as ``mode`` says, running statistics not carried; ORT's
+    # builder would swap in a kernel that writes them in place (compile_train_step applies its mode= before)
+    apply_mode(m, mode)
     m = lower_for_gradient(m)
     proto = ir.to_proto(m)
     try:
@@ -301,6 +331,20 @@ def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = 
         raise ModelError(f"model: onnxruntime-training could not differentiate {node.op_type} node {node.name!r} "
                          f"(inputs {[v.name if v is not None else '' for v in node.inputs]}): {reason}; expected a "
                          f"node the builder differentiates: {_fix(node, weights)}") from exc
+
+
+def _lower_unsized_pool_grads(m: ir.Model) -> None:
+    """Lowers every MaxPoolGrad to standard ops when one has an output shape not static beyond the batch axis:
+    its CPU kernel sizes the gradient from the graph's static shape (0 for an unknown dimension) and then writes
+    out of bounds (a crash, or corrupted memory)."""
+    from onnxopt.passes.lower import lower_training_ops
+
+    def unsized(node: ir.Node) -> bool:
+        shape = node.outputs[0].shape
+        return shape is None or not all(isinstance(d, int) for d in list(shape)[1:])
+
+    if any(n.op_type == "MaxPoolGrad" and n.domain in ("", "ai.onnx") and unsized(n) for n in m.graph):
+        lower_training_ops(m, {("", "MaxPoolGrad")})
 
 
 def _yield_rewrite(g: ir.Graph, keep_outputs: bool, fill_grad: bool) -> list[ir.Value]:
@@ -361,13 +405,15 @@ def gradient_ir(
     inputs: Sequence[str] = (),
     keep_outputs: bool = False,
     fill_grad: bool = False,
+    mode: str | None = None,
 ) -> tuple[ir.Model, list[ir.Value]]:
     """The gradient graph of ``m`` as an ``ir.Model``, plus its forward-output values (see ``gradient_model``)."""
     unknown = [i for i in inputs if i not in {v.name for v in m.graph.inputs}]
     if unknown:
         names = [v.name for v in m.graph.inputs]
         raise ModelError(f"inputs: {unknown} are not inputs of the model (expected some of {names})")
-    grad = build_gradient(m, weights, inputs)
+    grad = build_gradient(m, weights, inputs, mode)
+    _lower_unsized_pool_grads(grad)
     _tag_regions(grad.graph)
     forward = _yield_rewrite(grad.graph, keep_outputs, fill_grad)
     _restore_constants(grad.graph, m.graph, weights)
@@ -386,6 +432,7 @@ def gradient_model(
     inputs: Sequence[str] | None = None,
     keep_outputs: bool = False,
     fill_grad: bool = False,
+    mode: str | None = None,
 ) -> onnx.ModelProto:
     """Builds the backward graph of ``model`` with onnxruntime-training (onnxcustom's ``onnx_derivative``).
 
@@ -395,6 +442,9 @@ def gradient_model(
         inputs: model inputs whose gradient is wanted too (outputs ``<input>_grad``).
         keep_outputs: also return the forward outputs.
         fill_grad: the output gradient is ones instead of an input ``<output>_grad``.
+        mode: "train" (Dropout active, BatchNormalization with batch statistics) or "eval" (Dropout the
+            identity, BatchNormalization with the model's statistics), as ``compile_train_step``'s; None = each
+            node as its ``training_mode`` says. Running statistics are not updated.
 
     Returns:
         A model with inputs (model inputs, weights, ``<output>_grad`` unless filled) and outputs
@@ -402,15 +452,15 @@ def gradient_model(
     """
     m = load_model(model)
     names = check_weights(m, weights)
-    grad, _ = gradient_ir(m, names, list(inputs or ()), keep_outputs, fill_grad)
+    grad, _ = gradient_ir(m, names, list(inputs or ()), keep_outputs, fill_grad, mode)
     return ir.to_proto(grad)
 
 
-def agent_model(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = ()
+def agent_model(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (), mode: str | None = None
                 ) -> tuple[onnx.ModelProto, list[int]]:
     """The builder's graph as ``TrainingAgent`` runs it, YieldOp kept, plus the indices of the outputs that
     take no gradient (integer labels...). Inputs: model inputs then ``weights``; outputs: ``<name>_grad``."""
-    grad = build_gradient(m, weights, inputs)
+    grad = build_gradient(m, weights, inputs, mode)
     _restore_constants(grad.graph, m.graph, weights)
     grad.ir_version = 10
     node = next(n for n in grad.graph if n.op_type == "YieldOp")

@@ -15,8 +15,8 @@ import numpy as np
 from onnxopt.bench.timing import Result
 from onnxopt.bench.workloads import Workload
 
-__all__ = ["BEGIN", "END", "machine", "biggest_layer", "tables", "write_markdown", "plot_losses", "plot_scaling",
-           "curve_gap"]
+__all__ = ["BEGIN", "END", "machine", "biggest_layer", "tables", "write_markdown", "append_markdown", "plot_losses",
+           "plot_scaling", "curve_gap"]
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 REF = "onnxopt"
@@ -219,6 +219,15 @@ def write_markdown(path: str, body: str, title: str = "# Benchmarks") -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def append_markdown(path: str, body: str) -> None:
+    """Adds ``body`` at the end of the generated part (before ``END``) of the page ``write_markdown`` wrote."""
+    text = open(path, encoding="utf-8").read()
+    if END not in text:
+        raise ValueError(f"{path}: expected the {END} marker write_markdown writes, found none")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text.replace(END, body + END, 1))
 
 
 def _pyplot():

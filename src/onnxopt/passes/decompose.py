@@ -2,11 +2,14 @@
 
 - ``GRADIENTS``: gradient definitions (standard ONNX nodes over ``I(i)``, ``O(i)``, ``GO(i)``) registered with
   the builder for attribute-free ops it lacks: the forward kernel stays, only the backward is supplied
-  (Asin, Sinh, Softplus, Mish, ...; Floor, Ceil, Round, Sign, Hardmax get a zero gradient).
+  (Asin, Sinh, Softplus, Mish, Mod, Det, ...; Floor, Ceil, Round, Sign, Hardmax, random draws get a zero
+  gradient).
 - ``RULES``: one rewrite per op type into standard ops with exact builder gradients, for ops whose
   gradient depends on attributes (Elu, Selu, HardSigmoid, ``Gelu(approximate="tanh")``, ...), variadic
   and reduction ops (Sum, Mean, ReduceMax, ReduceL1, ...), normalizations (InstanceNormalization, ...),
-  layout ops (DepthToSpace, CumSum, Einsum, ReverseSequence...) and RNN (unrolled over its static length).
+  layout ops (DepthToSpace, CumSum, Einsum, ReverseSequence...), RNN (unrolled over its static length) and,
+  given constants and static shapes, AffineGrid, CenterCropPad, Col2Im, GridSample, DFT, STFT, RoiAlign,
+  MaxRoiPool (constant index tables, MatMuls), DynamicQuantizeLinear's scale and Unique's values.
 - Completed nodes: LayerNormalization gets its optional Mean/InvStdDev outputs (the builder's gradient
   reads them), SoftmaxCrossEntropyLoss its log-probabilities, GRU/LSTM/RNN explicit zero initial states
   (GRUGrad/LSTMGrad are invalid without); float64 LayerNormalization is rewritten (its gradient kernel is
@@ -36,6 +39,20 @@ def _c(name: str, value: float) -> list[tuple]:
 def _divide_by(expr: list[tuple]) -> list[tuple]:
     """GI(0) = GO(0) / d, with d computed by ``expr`` (whose last node writes ``d``)."""
     return [*expr, ("Div", ["GO(0)", "d"], ["GI(0)"])]
+
+
+def _unbroadcast(grad: str, i: int) -> list[tuple]:
+    """GI(i) = ``grad`` summed over the axes along which I(i) was broadcast, reshaped to I(i)'s shape."""
+    p = f"u{i}_"
+    return [("Shape", [f"I({i})"], [p + "sa"]), ("Shape", [grad], [p + "sg"]), ("Size", [p + "sa"], [p + "ra"]),
+            ("Size", [p + "sg"], [p + "rg"]), ("Sub", [p + "rg", p + "ra"], [p + "d"]),
+            ("Constant", [], [p + "one"], {"value": np.array([1])}), ("Reshape", [p + "d", p + "one"], [p + "d1"]),
+            ("Expand", [p + "one", p + "d1"], [p + "ones"]), ("Concat", [p + "ones", p + "sa"], [p + "full"], {"axis": 0}),
+            ("Equal", [p + "full", p + "sg"], [p + "same"]), ("Not", [p + "same"], [p + "bc"]),
+            ("NonZero", [p + "bc"], [p + "nz"]), ("Constant", [], [p + "flat"], {"value": np.array([-1])}),
+            ("Reshape", [p + "nz", p + "flat"], [p + "axes"]),
+            ("ReduceSum", [grad, p + "axes"], [p + "sum"], {"keepdims": 1, "noop_with_empty_axes": 1}),
+            ("Reshape", [p + "sum", p + "sa"], [f"GI({i})"])]
 
 
 _X2 = [("Mul", ["I(0)", "I(0)"], ["x2"])]
@@ -69,12 +86,28 @@ GRADIENTS: dict[str, list[tuple]] = {
                   ("Where", ["hi", "one", "mid"], ["d1"]), ("Where", ["lo", "zero", "d1"], ["d"]),
                   ("Mul", ["GO(0)", "d"], ["GI(0)"])],
     **{op: _ZERO for op in ("Floor", "Ceil", "Round", "Sign", "Hardmax", "EyeLike")},
+    # NOTE: random draws do not move with their float input (*Like: only its shape; Bernoulli: a.e.)
+    **{op: _ZERO for op in ("Bernoulli", "RandomNormalLike", "RandomUniformLike")},
+    # MelWeightMatrix: its triangles are built from integer bins (floors) of the edge frequencies; NOTE: the
+    # builder asks for no GI (the schema marks every input non-differentiable): an empty definition
+    "MelWeightMatrix": [],
+    # Mod (fmod=1, the only form for floats): a - b·trunc(a/b); d/da = 1, d/db = -trunc(a/b)
+    "Mod": [("Div", ["I(0)", "I(1)"], ["q"]), ("Abs", ["q"], ["aq"]), ("Floor", ["aq"], ["fq"]),
+            ("Sign", ["q"], ["sq"]), ("Mul", ["sq", "fq"], ["t"]), ("Mul", ["GO(0)", "t"], ["gt"]),
+            ("Neg", ["gt"], ["gb"]), *_unbroadcast("GO(0)", 0), *_unbroadcast("gb", 1)],
+    # Det: d det(A)/dA = det(A)·A⁻ᵀ (NaN at a singular A, where the adjugate would be right)
+    "Det": [("com.microsoft:Inverse", ["I(0)"], ["inv"]), ("Mul", ["GO(0)", "O(0)"], ["g"]),
+            ("Einsum", ["g", "inv"], ["GI(0)"], {"equation": "...,...ij->...ji"})],
 }
 
 
 def _attribute(name: str, value) -> tuple[str, str, str, bool]:
     if isinstance(value, np.floating):
         return name, json.dumps(float(value)), "float", True
+    if isinstance(value, str):
+        return name, json.dumps(value), "string", False
+    if isinstance(value, np.ndarray):  # NOTE: a 1-D int64 tensor ('value' of a Constant)
+        return name, json.dumps(value.tolist()), "int", True
     return name, json.dumps(value), "int" if isinstance(value, int) else "float", False
 
 
@@ -90,7 +123,8 @@ def register_gradients(C) -> None:
         defs = []
         for op, inputs, outputs, *attrs in nodes:
             d = C.GradientNodeDefinition()
-            d.op_type, d.domain, d.inputs, d.outputs = op, "", list(inputs), list(outputs)
+            domain, _, op = op.rpartition(":")  # NOTE: "com.microsoft:Inverse" names a contrib op
+            d.op_type, d.domain, d.inputs, d.outputs = op, domain, list(inputs), list(outputs)
             attributes = []
             for name, value in (attrs[0] if attrs else {}).items():
                 a = C.GradientNodeAttributeDefinition()
@@ -298,12 +332,18 @@ def _trilu(op, node, x, k=None):
 
 
 def _transpose(op, node, x):
+    if "perm" in node.attributes:  # NOTE: the identity (_transpose_check)
+        return op.Identity(x)
     return op.Transpose(x, perm=list(range(len(x.shape)))[::-1])
 
 
 def _transpose_check(node: ir.Node) -> str | None:
-    # NOTE: the builder's Transpose gradient reads 'perm' and fails (unordered_map::at) when it is omitted
-    return "perm is given" if "perm" in node.attributes else _has_rank(node, 1)
+    # NOTE: the builder's Transpose gradient reads 'perm' and fails (unordered_map::at) when it is omitted;
+    # an identity perm becomes Identity: ORT's GemmTransposeFusion folds it into a Gemm as a 2-D transpose
+    if "perm" in node.attributes:
+        perm = list(node.attributes.get_ints("perm"))
+        return None if perm == list(range(len(perm))) else "perm is given"
+    return _has_rank(node, 1)
 
 
 def _rank(node: ir.Node) -> int:
@@ -394,6 +434,8 @@ def _cumsum(op, node, x, axis):
     exclusive, reverse = node.attributes.get_int("exclusive", 0), node.attributes.get_int("reverse", 0)
     compare = {(0, 0): op.LessOrEqual, (1, 0): op.Less, (0, 1): op.GreaterOrEqual, (1, 1): op.Greater}
     triangle = op.Cast(compare[exclusive, reverse](rows, cols), to=x.dtype)
+    if axis == rank - 1:  # NOTE: no identity Transpose: ORT's GemmTransposeFusion would fold it as a transpose
+        return op.MatMul(x, triangle)
     return op.Transpose(op.MatMul(op.Transpose(x, perm=perm), triangle), perm=perm)
 
 
@@ -517,11 +559,11 @@ def _resize_factors(node: ir.Node) -> list[int] | None:
     x = node.inputs[0]
     scales = node.inputs[2] if len(node.inputs) > 2 else None
     sizes = node.inputs[3] if len(node.inputs) > 3 else None
-    if x.shape is None or not all(isinstance(d, int) for d in x.shape):
+    if x.shape is None:
         return None
     if scales is not None and scales.const_value is not None and scales.const_value.size:
         factors = scales.const_value.numpy().astype(np.float64)
-    elif sizes is not None and sizes.const_value is not None:
+    elif sizes is not None and sizes.const_value is not None and all(isinstance(d, int) for d in x.shape):
         factors = sizes.const_value.numpy() / np.array(list(x.shape), dtype=np.float64)
     else:
         return None
@@ -530,17 +572,68 @@ def _resize_factors(node: ir.Node) -> list[int] | None:
     return [int(f) for f in factors]
 
 
+def _linear_scales(node: ir.Node) -> list[float] | None:
+    """The scale of each axis of a linear Resize given constant scales, when only static axes >= 2 change."""
+    x, scales = node.inputs[0], node.inputs[2] if len(node.inputs) > 2 else None
+    if x.shape is None or scales is None or scales.const_value is None or scales.const_value.size != len(x.shape):
+        return None
+    factors = [float(f) for f in scales.const_value.numpy()]
+    moved = [k for k, f in enumerate(factors) if f != 1.0]
+    return factors if all(k >= 2 and isinstance(x.shape[k], int) for k in moved) else None
+
+
+def _interpolation(n_in: int, scale: float, mode: str) -> np.ndarray:
+    """(n_in, n_out) matrix of 1-D linear interpolation, source coordinates as onnxruntime computes them."""
+    n_out = int(np.floor(n_in * scale))
+    i = np.arange(n_out, dtype=np.float64)
+    if mode == "align_corners":
+        x = i * (n_in - 1) / (n_out - 1) if n_out > 1 else np.zeros(n_out)
+    elif mode == "asymmetric":
+        x = i / scale
+    else:  # half_pixel; pytorch_half_pixel differs only for one output
+        x = (i + 0.5) / scale - 0.5 if n_out > 1 or mode == "half_pixel" else np.zeros(n_out)
+    x = np.clip(x, 0, n_in - 1)
+    lo = np.floor(x).astype(np.int64)
+    hi, frac = np.minimum(lo + 1, n_in - 1), x - lo
+    a = np.zeros((n_in, n_out))
+    np.add.at(a, (lo, np.arange(n_out)), 1 - frac)
+    np.add.at(a, (hi, np.arange(n_out)), frac)
+    return a
+
+
+def _resize_linear(op, node, x):
+    """Linear Resize as one MatMul per resized axis by its constant interpolation matrix (no CPU ResizeGrad)."""
+    mode = node.attributes.get_string("coordinate_transformation_mode", "half_pixel")
+    rank, y = len(x.shape), x
+    for k, f in enumerate(_linear_scales(node)):
+        if f == 1.0:
+            continue
+        perm = list(range(rank))
+        perm[k], perm[-1] = perm[-1], perm[k]
+        a = op.CastLike(op.Constant(value=ir.tensor(_interpolation(x.shape[k], f, mode))), x)
+        y = op.MatMul(y, a) if k == rank - 1 else op.Transpose(op.MatMul(op.Transpose(y, perm=perm), a), perm=perm)
+    return y
+
+
 def _resize(op, node, x, *_):
     """Nearest Resize by integer factors: each element repeated (Unsqueeze, Expand, Reshape), a copy."""
-    factors, dims = _resize_factors(node), list(x.shape)
-    y = op.Unsqueeze(x, op.Constant(value_ints=[2 * i + 1 for i in range(len(dims))]))
-    y = op.Expand(y, op.Constant(value_ints=[v for d, f in zip(dims, factors) for v in (d, f)]))
-    return op.Reshape(y, op.Constant(value_ints=[d * f for d, f in zip(dims, factors)]))
+    if node.attributes.get_string("mode", "nearest") == "linear":
+        return _resize_linear(op, node, x)
+    factors = _resize_factors(node)
+    y = op.Unsqueeze(x, op.Constant(value_ints=[2 * i + 1 for i in range(len(factors))]))
+    # NOTE: shapes computed at run time: exported models have a dynamic batch axis
+    y = op.Expand(y, op.Constant(value_ints=[v for f in factors for v in (1, f)]))
+    return op.Reshape(y, op.Mul(op.Shape(x), op.Constant(value_ints=factors)))
 
 
 def _resize_check(node: ir.Node) -> str | None:
+    if node.attributes.get_string("mode", "nearest") == "linear":
+        if node.attributes.get_int("antialias", 0) or _linear_scales(node) is None:
+            return "only linear Resize by constant scales of static axes >= 2, no antialias, is rewritten"
+        return None if node.attributes.get_string("coordinate_transformation_mode", "half_pixel") in (
+            "half_pixel", "pytorch_half_pixel", "asymmetric", "align_corners") else "this mode is not rewritten"
     if node.attributes.get_string("mode", "nearest") != "nearest" or _resize_factors(node) is None:
-        return "only nearest Resize by constant integer factors of a static shape is rewritten"
+        return "only nearest Resize by constant integer scales (or sizes of a static shape) is rewritten"
     # NOTE: with integer factors, these modes all pick source index floor(i / factor)
     if node.attributes.get_string("coordinate_transformation_mode", "half_pixel") not in (
             "asymmetric", "half_pixel", "pytorch_half_pixel"):
@@ -664,6 +757,307 @@ def _rnn_check(node: ir.Node) -> str | None:
     return None if all(a in _ACTIVATIONS for a in acts) else f"activations {list(acts)} are not rewritten"
 
 
+def _static(*values: ir.Value) -> bool:
+    return all(v.shape is not None and all(isinstance(d, int) for d in v.shape) for v in values)
+
+
+def _consts(node: ir.Node, *slots: int) -> bool:
+    return all(len(node.inputs) <= i or node.inputs[i] is None or node.inputs[i].const_value is not None for i in slots)
+
+
+def _int_input(node: ir.Node, slot: int, default=None):
+    value = node.inputs[slot] if len(node.inputs) > slot else None
+    return default if value is None else value.const_value.numpy().reshape(-1).tolist()
+
+
+def _table(op, values: np.ndarray, like: ir.Value):
+    """A constant array in the type of ``like``."""
+    return op.Constant(value=ir.tensor(np.asarray(values, dtype=like.dtype.numpy())))
+
+
+def _affine_grid(op, node, theta, size):
+    """theta (N, k, k+1) times the constant base grid (..., x, y[, z], 1) of the output's spatial size."""
+    spatial, align = _int_input(node, 1)[2:], node.attributes.get_int("align_corners", 0)
+    axes = [np.linspace(-1, 1, n) if align else (np.arange(n) * 2 + 1) / n - 1 for n in spatial]
+    mesh = np.meshgrid(*axes, indexing="ij")[::-1]  # NOTE: x varies along the last axis (W), then y, z
+    base = np.stack([*(m.reshape(-1) for m in mesh), np.ones(mesh[0].size)], axis=1)
+    # NOTE: 2-D MatMuls: the builder's batched MatMul gradient (FusedMatMul) has no float64 kernel
+    k = len(spatial)
+    grid = op.MatMul(op.Reshape(theta, op.Constant(value_ints=[-1, k + 1])), _table(op, base.T, theta))
+    grid = op.Transpose(op.Reshape(grid, op.Constant(value_ints=[-1, k, base.shape[0]])), perm=[0, 2, 1])
+    return op.Reshape(grid, op.Constant(value_ints=[-1, *spatial, k]))
+
+
+def _center_crop_pad(op, node, x, shape):
+    """A Slice of the centred window where the input is larger, a zero Pad where it is smaller."""
+    dims, target = list(x.shape), _int_input(node, 1)
+    axes = [a % len(dims) for a in node.attributes.get_ints("axes", list(range(len(dims))))]
+    starts, ends, pads = [0] * len(dims), list(dims), [0] * 2 * len(dims)
+    for axis, size in zip(axes, target):
+        if size < dims[axis]:
+            starts[axis] = (dims[axis] - size) // 2
+            ends[axis] = starts[axis] + size
+        else:
+            pads[axis] = (size - dims[axis]) // 2
+            pads[len(dims) + axis] = size - dims[axis] - pads[axis]
+    y = op.Slice(x, op.Constant(value_ints=starts), op.Constant(value_ints=ends))
+    return op.Pad(y, op.Constant(value_ints=pads))
+
+
+def _sparse_sum(op, values, rank: int, size: int, sources: list, like, maximum: ir.Node | None = None):
+    """out[..., p] = Σ w·values[..., i] over the (i, w) of sources[p], for values (..., size) of ``rank``: a Gather
+    by a constant index table (short rows point at a zero padded at ``size``), times the weights, summed; with
+    ``maximum`` (the node), the max of values[..., i] instead (short rows repeat their first index), 0 if none."""
+    index = np.full((len(sources), max(1, max(len(s) for s in sources))), size, dtype=np.int64)
+    weight = np.zeros(index.shape)
+    for p, found in enumerate(sources):
+        index[p, :] = found[0][0] if found and maximum is not None else size
+        for t, (i, w) in enumerate(found):
+            index[p, t], weight[p, t] = i, w
+    # NOTE: a Pad, not a Concat: the builder's Concat gradient has no float64 kernel
+    padded = op.Pad(values, op.Constant(value_ints=[0] * (2 * rank - 1) + [1]))
+    picked = op.Gather(padded, op.Constant(value=ir.tensor(index)), axis=rank - 1)
+    if maximum is not None:  # NOTE: ties (a repeated index too) share the gradient, summed back by the Gather
+        picked.dtype = like.dtype
+        return _reduce_extreme("ReduceMax")(op, maximum, picked, op.Constant(value_ints=[rank]))
+    if np.any(weight[index < size] != 1):
+        picked = op.Mul(picked, _table(op, weight, like))
+    return op.ReduceSum(picked, op.Constant(value_ints=[-1]), keepdims=0)
+
+
+def _col2im(op, node, x, image, block):
+    """Each output pixel sums the column entries that land on it (``_sparse_sum``)."""
+    (h, w), (kh, kw) = _int_input(node, 1), _int_input(node, 2)
+    dh, dw = node.attributes.get_ints("dilations", [1, 1])
+    sh, sw = node.attributes.get_ints("strides", [1, 1])
+    top, left, bottom, right = node.attributes.get_ints("pads", [0, 0, 0, 0])
+    oh, ow = (h + top + bottom - dh * (kh - 1) - 1) // sh + 1, (w + left + right - dw * (kw - 1) - 1) // sw + 1
+    sources: list[list] = [[] for _ in range(h * w)]
+    for i, j, r, s in np.ndindex(kh, kw, oh, ow):
+        row, col = r * sh - top + i * dh, s * sw - left + j * dw
+        if 0 <= row < h and 0 <= col < w:
+            sources[row * w + col].append(((i * kw + j) * oh * ow + r * ow + s, 1.0))
+    cols = op.Reshape(x, op.Constant(value_ints=[0, -1, kh * kw * oh * ow]))
+    summed = _sparse_sum(op, cols, 3, kh * kw * oh * ow, sources, x)
+    return op.Reshape(summed, op.Constant(value_ints=[0, -1, h, w]))
+
+
+def _roi_align(op, node, x, rois, batch):
+    """Average RoiAlign of constant boxes: each output a fixed weighted sum of pixels (``_sparse_sum``), the
+    samples and bilinear weights computed as onnxruntime does."""
+    (n, c, h, w), scale = x.shape, _f(node, "spatial_scale", 1.0)
+    oh, ow, ratio = (node.attributes.get_int(k, d) for k, d in (("output_height", 1), ("output_width", 1),
+                                                                  ("sampling_ratio", 0)))
+    half = node.attributes.get_string("coordinate_transformation_mode", "half_pixel") == "half_pixel"
+    sources = []
+    for box, b in zip(rois.const_value.numpy().astype(np.float64), batch.const_value.numpy().reshape(-1)):
+        sx, sy, ex, ey = box * scale - (0.5 if half else 0.0)
+        rh, rw = (ey - sy, ex - sx) if half else (max(ey - sy, 1.0), max(ex - sx, 1.0))
+        gh, gw = ratio or int(np.ceil(rh / oh)), ratio or int(np.ceil(rw / ow))
+        for ph, pw in np.ndindex(oh, ow):
+            found = []
+            for iy, ix in np.ndindex(gh, gw):
+                y, xx = sy + (ph + (iy + 0.5) / gh) * rh / oh, sx + (pw + (ix + 0.5) / gw) * rw / ow
+                if -1.0 <= y <= h and -1.0 <= xx <= w:
+                    (y0, y1, ly), (x0, x1, lx) = _corners(max(y, 0.0), h), _corners(max(xx, 0.0), w)
+                    found += [(int(b) * h * w + yy * w + xc, wy * wx / max(gh * gw, 1)) for yy, wy in ((y0, 1 - ly), (y1, ly))
+                              for xc, wx in ((x0, 1 - lx), (x1, lx))]
+            sources.append(found)
+    flat = op.Reshape(op.Transpose(x, perm=[1, 0, 2, 3]), op.Constant(value_ints=[c, n * h * w]))
+    y = op.Reshape(_sparse_sum(op, flat, 2, n * h * w, sources, x), op.Constant(value_ints=[c, -1, oh, ow]))
+    return op.Transpose(y, perm=[1, 0, 2, 3])
+
+
+def _max_roi_pool(op, node, x, rois):
+    """MaxRoiPool of constant boxes: the max over each bin's pixels (``_sparse_sum``), bins as onnxruntime's."""
+    (n, c, h, w), scale = x.shape, _f(node, "spatial_scale", 1.0)
+    oh, ow = node.attributes.get_ints("pooled_shape")
+    sources = []
+    for b, *box in rois.const_value.numpy().astype(np.float64):
+        sx, sy, ex, ey = (int(np.sign(v) * np.floor(abs(v) * scale + 0.5)) for v in box)  # NOTE: C's round()
+        bh, bw = max(ey - sy + 1, 1) / oh, max(ex - sx + 1, 1) / ow
+        for ph, pw in np.ndindex(oh, ow):
+            rows = range(min(max(int(np.floor(ph * bh)) + sy, 0), h), min(max(int(np.ceil((ph + 1) * bh)) + sy, 0), h))
+            cols = range(min(max(int(np.floor(pw * bw)) + sx, 0), w), min(max(int(np.ceil((pw + 1) * bw)) + sx, 0), w))
+            sources.append([(int(b) * h * w + r * w + q, 1.0) for r in rows for q in cols])
+    flat = op.Reshape(op.Transpose(x, perm=[1, 0, 2, 3]), op.Constant(value_ints=[c, n * h * w]))
+    y = _sparse_sum(op, flat, 2, n * h * w, sources, x, maximum=node)
+    return op.Transpose(op.Reshape(y, op.Constant(value_ints=[c, -1, oh, ow])), perm=[1, 0, 2, 3])
+
+
+def _corners(t: float, size: int) -> tuple[int, int, float]:
+    """Low and high neighbours of coordinate ``t`` and the high one's weight (onnxruntime's RoiAlign clamping)."""
+    low = int(t)
+    return (size - 1, size - 1, 0.0) if low >= size - 1 else (low, low + 1, t - low)
+
+
+def _roi_align_check(node: ir.Node) -> str | None:
+    if not _consts(node, 1, 2) or not _static(node.inputs[0]) or len(node.inputs[0].shape) != 4:
+        return "the boxes or batch indices are not constants, or the input shape is not static"
+    return None if node.attributes.get_string("mode", "avg") == "avg" else "max mode is not rewritten"
+
+
+def _grid_sample(op, node, x, grid):
+    """Bilinear (or nearest) sampling as GatherElements of the corners, weighted by their distances: exact in
+    x and, through the weights, in the grid (the corners' indices have a zero derivative)."""
+    (_, c, h, w), (_, ho, wo, _) = x.shape, grid.shape  # NOTE: the batch size may be dynamic
+    align, border = node.attributes.get_int("align_corners", 0), node.attributes.get_string("padding_mode", "zeros") == "border"
+    nearest = node.attributes.get_string("mode", "linear") == "nearest"
+    flat = op.Reshape(x, op.Constant(value_ints=[0, c, h * w]))
+    g = op.Reshape(grid, op.Constant(value_ints=[0, 1, ho * wo, 2]))
+    batch = op.Slice(op.Shape(x), op.Constant(value_ints=[0]), op.Constant(value_ints=[1]))
+
+    def coordinate(axis: int, size: int):
+        t = op.Gather(g, op.Constant(value_int=axis), axis=3)
+        one = _k(op, 1.0, x)
+        t = op.Mul(op.Add(t, one), _k(op, (size - 1) / 2, x)) if align else \
+            op.Div(op.Sub(op.Mul(op.Add(t, one), _k(op, float(size), x)), one), _k(op, 2.0, x))
+        return op.Clip(t, _k(op, 0.0, x), _k(op, size - 1.0, x)) if border else t
+
+    ix, iy = coordinate(0, w), coordinate(1, h)
+
+    def corner(cx, cy):
+        inside = op.And(op.And(op.GreaterOrEqual(cx, _k(op, 0.0, x)), op.LessOrEqual(cx, _k(op, w - 1.0, x))),
+                        op.And(op.GreaterOrEqual(cy, _k(op, 0.0, x)), op.LessOrEqual(cy, _k(op, h - 1.0, x))))
+        cx, cy = (op.Clip(v, _k(op, 0.0, x), _k(op, m - 1.0, x)) for v, m in ((cx, w), (cy, h)))
+        index = op.Cast(op.Add(op.Mul(cy, _k(op, float(w), x)), cx), to=ir.DataType.INT64)
+        values = op.GatherElements(flat, op.Expand(index, op.Concat(batch, op.Constant(value_ints=[c, ho * wo]), axis=0)),
+                                   axis=2)
+        return values, op.Cast(inside, to=x.dtype)
+
+    if nearest:
+        values, inside = corner(op.Round(ix), op.Round(iy))
+        # NOTE: + 0·(ix + iy): the grid stays on the gradient path with its zero derivative (else "unreachable")
+        y = op.Add(op.Mul(values, inside), op.Mul(op.Add(ix, iy), _k(op, 0.0, x)))
+    else:
+        x0, y0 = op.Floor(ix), op.Floor(iy)
+        x1, y1 = op.Add(x0, _k(op, 1.0, x)), op.Add(y0, _k(op, 1.0, x))
+        wx1, wy1 = op.Sub(ix, x0), op.Sub(iy, y0)
+        wx0, wy0 = op.Sub(_k(op, 1.0, x), wx1), op.Sub(_k(op, 1.0, x), wy1)
+        y = None
+        for cx, cy, wx, wy in ((x0, y0, wx0, wy0), (x1, y0, wx1, wy0), (x0, y1, wx0, wy1), (x1, y1, wx1, wy1)):
+            values, inside = corner(cx, cy)
+            term = op.Mul(values, op.Mul(op.Mul(wx, wy), inside))
+            y = term if y is None else op.Add(y, term)
+    return op.Reshape(y, op.Constant(value_ints=[0, c, ho, wo]))
+
+
+def _grid_sample_check(node: ir.Node) -> str | None:
+    x, grid = node.inputs[0], node.inputs[1]
+    if x.shape is None or grid.shape is None or len(x.shape) != 4 or not all(
+            isinstance(d, int) for d in [*x.shape[1:], *grid.shape[1:]]):
+        return "only 4-D inputs of static shape (but the batch size) are rewritten"
+    if node.attributes.get_string("mode", "linear") not in ("linear", "bilinear", "nearest"):
+        return "cubic mode is not rewritten"
+    return None if node.attributes.get_string("padding_mode", "zeros") in ("zeros", "border") else \
+        "reflection padding is not rewritten"
+
+
+def _dft_core(op, x, length: int, bins: int, inverse: bool, like):
+    """The DFT of x (..., length, 1 or 2: ``like``'s last axis) along axis -2 as MatMuls with constant cos/sin
+    tables: (..., bins, 2)."""
+    angle = 2 * np.pi * np.outer(np.arange(length), np.arange(bins)) / length
+    cos, sin = _table(op, np.cos(angle), like), _table(op, np.sin(angle) * (1 if inverse else -1), like)
+    last = op.Constant(value_ints=[-1])
+    real = op.Squeeze(op.Slice(x, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), last), last)
+    lead = op.Concat(op.Slice(op.Shape(real), op.Constant(value_ints=[0]), last), op.Constant(value_ints=[bins]), axis=0)
+
+    def times(v, table):  # NOTE: as a 2-D MatMul: the batched MatMul gradient (FusedMatMul) is float only
+        return op.Reshape(op.MatMul(op.Reshape(v, op.Constant(value_ints=[-1, length])), table), lead)
+
+    re, im = times(real, cos), times(real, sin)
+    if like.shape[-1] == 2:  # (a + ib)(cos + i·sin) = a·cos - b·sin + i(b·cos + a·sin)
+        imag = op.Squeeze(op.Slice(x, op.Constant(value_ints=[1]), op.Constant(value_ints=[2]), last), last)
+        re, im = op.Sub(re, times(imag, sin)), op.Add(im, times(imag, cos))
+    if inverse:
+        re, im = (op.Div(v, _k(op, float(length), like)) for v in (re, im))
+    # NOTE: re·[1, 0] + im·[0, 1], not a Concat: the builder's Concat gradient has no float64 kernel
+    return op.Add(op.Mul(op.Unsqueeze(re, last), _table(op, [1.0, 0.0], like)),
+                  op.Mul(op.Unsqueeze(im, last), _table(op, [0.0, 1.0], like)))
+
+
+def _dft(op, node, x, dft_length=None, axis=None):
+    rank = len(x.shape)
+    a = (_int_input(node, 2, [-2])[0] if node.graph is None or node.graph.opset_imports.get("", 21) >= 20
+         else node.attributes.get_int("axis", 1)) % rank
+    perm = [i for i in range(rank - 1) if i != a] + [a, rank - 1]
+    y = op.Transpose(x, perm=perm) if a != rank - 2 else x
+    n = x.shape[a]
+    length = _int_input(node, 1, [n])[0]
+    if length != n:  # NOTE: the signal is cut or padded with zeros to dft_length
+        y = op.Slice(y, op.Constant(value_ints=[0]), op.Constant(value_ints=[length]), op.Constant(value_ints=[-2])) \
+            if length < n else op.Pad(y, op.Constant(value_ints=[0] * (rank - 2) + [0, 0] + [0] * (rank - 2) + [length - n, 0]))
+    bins = length // 2 + 1 if node.attributes.get_int("onesided", 0) else length
+    y = _dft_core(op, y, length, bins, bool(node.attributes.get_int("inverse", 0)), x)
+    return op.Transpose(y, perm=[int(i) for i in np.argsort(perm)]) if a != rank - 2 else y
+
+
+def _dft_check(node: ir.Node) -> str | None:
+    opset = node.graph.opset_imports.get("", 21) if node.graph is not None else 21
+    if not _consts(node, 1, 2) or (opset < 20 and len(node.inputs) > 1 and node.inputs[1] is not None):
+        return "dft_length and axis are not constants"
+    return None if _static(node.inputs[0]) else "the shape is not static"
+
+
+def _stft(op, node, signal, step, window=None, frame_length=None):
+    """Frames gathered by a constant index table, windowed, then the DFT of each frame (``_dft_core``)."""
+    n, hop = signal.shape[1], _int_input(node, 1)[0]
+    length = _int_input(node, 3, [window.shape[0]] if window is not None else None)[0]
+    frames = (n - length) // hop + 1
+    index = np.arange(frames)[:, None] * hop + np.arange(length)[None, :]
+    y = op.Gather(signal, op.Constant(value=ir.tensor(index.astype(np.int64))), axis=1)
+    if window is not None:
+        y = op.Mul(y, op.Reshape(window, op.Constant(value_ints=[length, 1])))
+    bins = length // 2 + 1 if node.attributes.get_int("onesided", 1) else length
+    return _dft_core(op, y, length, bins, False, signal)
+
+
+def _stft_check(node: ir.Node) -> str | None:
+    if not _consts(node, 1, 3) or not _static(node.inputs[0]):
+        return "frame_step and frame_length are not constants or the shape is not static"
+    window, length = node.inputs[2] if len(node.inputs) > 2 else None, node.inputs[3] if len(node.inputs) > 3 else None
+    return None if window is not None or length is not None else "neither window nor frame_length is given"
+
+
+def _mod(op, node, a, b):
+    """Mod(a + 0·Sign(b), b), exactly Mod(a, b): the dividend then depends on the divisor, so the builder asks for
+    both gradients of Mod's definition (it fails on the definition when only the divisor's is asked for)."""
+    return op.Mod(op.Add(a, op.Mul(op.Sign(b), _k(op, 0.0, b))), b, fmod=node.attributes.get_int("fmod", 0))
+
+
+def _mod_check(node: ir.Node) -> str | None:
+    if node.inputs[1].const_value is not None:
+        return "the divisor is a constant (the dividend's gradient alone builds)"
+    add = node.inputs[0].producer()
+    mul = add.inputs[1].producer() if add is not None and add.op_type == "Add" else None
+    sign = mul.inputs[0].producer() if mul is not None and mul.op_type == "Mul" else None
+    return "already rewritten" if sign is not None and sign.op_type == "Sign" else None
+
+
+def _unique(op, node, x):
+    """The values as a Gather of the input at their first occurrences (the op's ``indices``): the same values,
+    differentiable (a.e.: a tie changes the output's shape); the other outputs stay the op's."""
+    axis = node.attributes.get_int("axis", None)
+    outs = op.Unique(x, _outputs=4, **({} if axis is None else {"axis": axis}), sorted=node.attributes.get_int("sorted", 1))
+    source = op.Reshape(x, op.Constant(value_ints=[-1])) if axis is None else x
+    return (op.Gather(source, outs[1], axis=axis or 0), *outs[1:])[:len(node.outputs)]
+
+
+def _dynamic_quantize(op, node, x):
+    """The scale output as (max(x, 0) - min(x, 0)) / 255 in standard ops (onnxruntime's bit for bit, within an
+    ulp when the max or min repeats), so it has a gradient; the quantized values and zero point stay the op's."""
+    y, _, zero_point = op.DynamicQuantizeLinear(x, _outputs=3)
+    scalar = op.Constant(value=ir.tensor(np.zeros(0, np.int64)))  # NOTE: ties share the gradient, as ReduceMax's rewrite does
+    top = op.Max(op.Reshape(_reduce_extreme("ReduceMax")(op, node, x), scalar), _k(op, 0.0, x))
+    bottom = op.Min(op.Reshape(_reduce_extreme("ReduceMin")(op, node, x), scalar), _k(op, 0.0, x))
+    return y, op.Div(op.Sub(top, bottom), _k(op, 255.0, x)), zero_point
+
+
+def _dynamic_quantize_check(node: ir.Node) -> str | None:
+    scale = node.outputs[1]
+    return None if scale.uses() or scale.is_graph_output() else "the scale is not read"
+
+
 def _has_rank(node: ir.Node, least: int = 2) -> str | None:
     shape = node.inputs[0].shape
     return None if shape is not None and len(shape) >= least else "the rank of the input is unknown"
@@ -707,10 +1101,22 @@ RULES: dict[str, tuple] = {
     "NegativeLogLikelihoodLoss": (_nll_loss, None), "Einsum": (_einsum, _einsum_check),
     "ReverseSequence": (_reverse_sequence, _has_rank), "Resize": (_resize, _resize_check),
     "ConvTranspose": (_conv_transpose, _conv_transpose_check), "MaxUnpool": (_max_unpool, _max_unpool_check), "LRN": (_lrn, lambda node: _has_rank(node, 3)),
+    "AffineGrid": (_affine_grid, lambda node: None if _consts(node, 1) else "the size is not a constant"),
+    "CenterCropPad": (_center_crop_pad, lambda node: None if _consts(node, 1) and _static(node.inputs[0]) else
+                      "the target shape is not a constant or the input shape is not static"),
+    "Col2Im": (_col2im, lambda node: None if _consts(node, 1, 2) else "image_shape and block_shape are not constants"),
+    "GridSample": (_grid_sample, _grid_sample_check), "DFT": (_dft, _dft_check), "STFT": (_stft, _stft_check),
+    "RoiAlign": (_roi_align, _roi_align_check),
+    "MaxRoiPool": (_max_roi_pool, lambda node: None if _consts(node, 1) and _static(node.inputs[0]) else
+                   "the boxes are not constants or the input shape is not static"),
+    "DynamicQuantizeLinear": (_dynamic_quantize, _dynamic_quantize_check),
+    "Mod": (_mod, _mod_check),
+    "Unique": (_unique, lambda node: None if node.outputs[0].uses() or node.outputs[0].is_graph_output() else
+               "the values are not read"),
 }
 
 
-_OUTPUTS = {"RNN": (1, 2)}
+_OUTPUTS = {"RNN": (1, 2), "DynamicQuantizeLinear": (3,), "Unique": (1, 2, 3, 4)}
 
 
 def _rule(op_type: str, build, check, n_outputs: int = 1) -> RewriteRule:
@@ -750,9 +1156,19 @@ def _complete_outputs(graph: ir.Graph) -> None:
     """Gives nodes the optional outputs their builder gradient reads (exporters omit them)."""
     for node in list(graph):
         want = _COMPLETE.get(node.op_type)
-        if want is None or node.domain not in ("", "ai.onnx") or len(node.outputs) >= want:
+        if want is None or node.domain not in ("", "ai.onnx"):
             continue
-        _rebuild(graph, node, list(node.inputs), want)
+        inputs = list(node.inputs)
+        if node.op_type == "LayerNormalization" and (len(inputs) < 3 or inputs[2] is None):
+            # NOTE: LayerNormalizationGrad reads a bias input (torch's elementwise_affine=False/bias=False omit it)
+            tape = ir.tape.Tape()
+            zeros = tape.op("Sub", [inputs[1], inputs[1]])
+            zeros.dtype = inputs[1].dtype
+            graph.insert_before(node, tape.nodes)
+            inputs = [*inputs[:2], zeros]
+        elif len(node.outputs) >= want:
+            continue
+        _rebuild(graph, node, inputs, max(want, len(node.outputs)))
 
 
 def _rebuild(graph: ir.Graph, node: ir.Node, inputs: list, n_outputs: int) -> None:
@@ -765,6 +1181,51 @@ def _rebuild(graph: ir.Graph, node: ir.Node, inputs: list, n_outputs: int) -> No
         old.name = None
         ir.convenience.replace_all_uses_with(old, value, replace_graph_outputs=True)
     graph.remove(node, safe=True)
+
+
+def _split_directions(graph: ir.Graph) -> None:
+    """A bidirectional or reverse GRU/LSTM -> forward nodes, the reverse one on the time-reversed sequence
+    (Slice, step -1) with its direction's slice of every weight and state: onnxruntime's GRUTraining and
+    LSTMTraining kernels run forward only. Y is concatenated on its direction axis, Y_h and Y_c on axis 0."""
+    for node in list(graph):
+        direction = node.attributes.get_string("direction", "forward")
+        if node.op_type not in ("GRU", "LSTM") or node.domain not in ("", "ai.onnx") or direction == "forward":
+            continue
+        if node.inputs[0].dtype not in _FLOATS or node.attributes.get_int("layout", 0) \
+                or "activation_alpha" in node.attributes or "activation_beta" in node.attributes \
+                or (len(node.inputs) > 4 and node.inputs[4] is not None):
+            continue  # NOTE: sequence_lens, layout=1, parametric activations: left to the builder (its error)
+        tape = ir.tape.Tape()
+
+        def pick(v, start, stop, step=1):
+            return tape.op("Slice", [v, _ints(tape, [start]), _ints(tape, [stop]), _ints(tape, [0]), _ints(tape, [step])])
+
+        both = direction == "bidirectional"
+        per_dir = 3 if node.op_type == "LSTM" else 2
+        acts = list(node.attributes.get_strings("activations", []))
+        results = []
+        for d, backward in ([(0, False), (1, True)] if both else [(0, True)]):
+            x = pick(node.inputs[0], -1, -(2**63), -1) if backward else node.inputs[0]
+            inputs = [x] + [v if v is None or i == 4 or not both else pick(v, d, d + 1)
+                            for i, v in enumerate(node.inputs[1:], start=1)]
+            attrs = {**node.attributes, "direction": ir.AttrString("direction", "forward")}
+            if acts:
+                attrs["activations"] = ir.AttrStrings("activations", acts[d * per_dir:(d + 1) * per_dir])
+            outs = list(tape.op_multi_out(node.op_type, inputs, attrs, num_outputs=len(node.outputs),
+                                          name=f"{node.name}_{'reverse' if backward else 'forward'}"))
+            outs[0] = pick(outs[0], -1, -(2**63), -1) if backward else outs[0]
+            results.append(outs)
+        for n in tape.nodes:
+            n.metadata_props.update(node.metadata_props)
+        news = [tape.op("Concat", list(vs), {"axis": 1 if k == 0 else 0}) if both else vs[0]
+                for k, vs in enumerate(zip(*results))]
+        graph.insert_before(node, tape.nodes)
+        for old, value in zip(node.outputs, news):
+            value.dtype = old.dtype
+            name, old.name = old.name, None
+            ir.convenience.replace_all_uses_with(old, value, replace_graph_outputs=True)
+            value.name = name
+        graph.remove(node, safe=True)
 
 
 def _initial_states(graph: ir.Graph) -> None:
@@ -839,6 +1300,7 @@ def decompose(model: ir.Model) -> ir.Model:
     if rules:
         RewriteRuleSet(rules).apply_to_model(model)
     _complete_outputs(model.graph)
+    _split_directions(model.graph)
     _initial_states(model.graph)
     for i, node in enumerate(model.graph):
         if node.op_type in GRADIENTS and not node.name:

@@ -89,8 +89,14 @@ def _conv_transpose_to(op, dy, w, x, r: int, **attrs) -> ir.Value:
     return op.Pad(dx, op.Concat(op.ints([0] * (r + 2)), op.ints([0, 0]), missing, axis=0))
 
 
-def relu_grad(op, dy, x):
-    return op.Where(op.Greater(x, op.const(0.0, x)), dy, op.const(0.0, dy))
+def relu_grad(op, dy, y):
+    """dy where y > 0, else 0; dy·Sign(y) when y is a Relu's output (what the builder passes)."""
+    source = y.producer()
+    if source is not None and source.op_type == "Relu" and source.domain in ("", "ai.onnx"):
+        # NOTE: y >= 0 makes Sign(y) a 0/1 mask; Sign + Mul (same shapes) take 6-13% less of a W1 step than
+        # Greater + Where (two scalar broadcasts), docs/portable.md. They differ only where dy or y is not finite
+        return op.Mul(dy, op.Sign(y))
+    return op.Where(op.Greater(y, op.const(0.0, y)), dy, op.const(0.0, dy))
 
 
 def sigmoid_grad(op, dy, y):

@@ -125,13 +125,14 @@ def _dropout(graph: ir.Graph, node: ir.Node, mode: str, seed: int) -> None:
         if len(node.outputs) > 1 and node.outputs[1].uses():
             raise ModelError(f"model: Dropout node {node.name!r} has its mask read by other nodes; expected only "
                              "its output used in mode='eval' (use mode='train')")
-        ir.convenience.replace_all_uses_with(y, node.inputs[0], replace_graph_outputs=False)
-        if y.is_graph_output():
+        if y.is_graph_output():  # NOTE: an Identity keeps the output's name (the input may be a graph input)
             tape = ir.tape.Tape()
             out = tape.op("Identity", [node.inputs[0]])
             graph.insert_before(node, tape.nodes)
             ir.convenience.replace_all_uses_with(y, out, replace_graph_outputs=True)
             out.name = y.name
+        else:
+            ir.convenience.replace_all_uses_with(y, node.inputs[0], replace_graph_outputs=False)
         graph.remove(node, safe=True)
         _drop_unused(graph, flags)
         return
