@@ -221,25 +221,10 @@ def _bench(argv: list[str]) -> int:
         bench = importlib.import_module("onnxopt.bench")
     except ImportError as exc:
         raise _Fail(f"bench: the benchmark suite onnxopt.bench is not available ({exc})") from exc
-    # NOTE: the portable comparison runs after the suite, in other processes, and adds a section to its page
-    extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--portable-python", default=None)
-    ours, argv = extra.parse_known_args(argv)
     try:
-        code = int(bench.main(argv) or 0)
+        return int(bench.main(argv) or 0)
     except SystemExit as exc:  # NOTE: its own argparse: --help exits 0, a usage error 2
-        if exc.code in (0, None):
-            print("  --portable-python PATH  Python 3.13+ with stock onnxruntime (default: .venv313/bin/python): "
-                  "time the portable step there against the training build's on W1 and W3")
         return int(exc.code or 0)
-    try:  # NOTE: a stand-in onnxopt.bench (the CLI's tests) has no portable module
-        portable = importlib.import_module("onnxopt.bench.portable")
-    except ImportError as exc:
-        print(f"onnxopt bench: no portable comparison ({exc})", file=sys.stderr)
-        return code
-    if code == 0:
-        portable.bench_section(argv, ours.portable_python)
-    return code
 
 
 # -- demo -------------------------------------------------------------------------------------------------

@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="markdown page; only the part between its bench markers is replaced")
     p.add_argument("--img-dir", default="docs/img", help="folder for loss_curves.png and scaling.png")
     p.add_argument("--out-json", default=None, help="also write every result (with loss curves) as JSON")
+    p.add_argument("--portable-python", default=None, metavar="PATH",
+                   help="Python 3.13+ with stock onnxruntime (default: .venv313/bin/python): time the portable "
+                        "step there against the training build's on W1 and W3")
     return p
 
 
@@ -114,4 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out_json, "w", encoding="utf-8") as f:
             json.dump({"results": [vars(r) for r in results], "sgemm": sgemm, "memory": memory}, f)
     print(f"wrote {args.out_md} and {len(images)} plot(s) in {args.img_dir}", file=sys.stderr)
+    # NOTE: the portable comparison runs in other processes, after the suite, and adds a section to its page
+    from onnxopt.bench.portable import bench_section
+
+    bench_section(argv, args.portable_python)
     return 0
