@@ -19,11 +19,10 @@ import pstats
 import tempfile
 import time
 
-import numpy as np
 import onnxruntime as ort
 
 import onnxopt
-from onnxopt.bench.competitors import Onnxopt, OrtTraining, _onnxopt_update, runner_model
+from onnxopt.bench.competitors import Onnxopt, OrtTraining, _onnxopt_update
 from onnxopt.bench.workloads import WORKLOADS
 from onnxopt.runner import default_session_options
 
@@ -47,26 +46,19 @@ def kernel_table(path: str, runs: int, top: int = 10) -> None:
 
 
 def profile_fused(wl, X, y, steps: int, folder: str) -> None:
-    """The model the Runner runs (``runner_model``: packs as inputs) in a plain session with the Runner's
-    options + profiling, ``.new`` outputs fed back as inputs (packed weights are not: kernel times only)."""
+    """The Runner itself (its CPU model, ``runner.cpu_model``) with its default options + ORT's profiler."""
     step = onnxopt.compile_train_step(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update),
                                       learning_rate=wl.lr)
     opts = default_session_options(wl.n_parameters, wl.batch)
     opts.enable_profiling = True
     opts.profile_file_prefix = os.path.join(folder, "onnxopt")
-    sess = ort.InferenceSession(runner_model(step).SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    feeds = {step.inputs[0]: X[:wl.batch], step.target: y[:wl.batch], **step.initial_weights()}
-    if step.sample_weight:
-        feeds[step.sample_weight] = np.ones(wl.batch, np.float32)
-    for i in sess.get_inputs():  # NOTE: optimizer state (per weight or packed) and the step counter start at 0
-        if i.name not in feeds:
-            feeds[i.name] = np.zeros(i.shape, np.int64 if i.type == "tensor(int64)" else np.float32)
-    names = [o.name for o in sess.get_outputs()]
+    runner = onnxopt.Runner(step, session_options=opts, batch_size=wl.batch)
+    xb, yb = X[:wl.batch], y[:wl.batch]
     for _ in range(steps):
-        out = dict(zip(names, sess.run(None, feeds)))
-        feeds.update({name[: -len(".new")]: value for name, value in out.items() if name.endswith(".new")})
-    print(f"{wl.name}: onnxopt fused step, ORT profiler")
-    kernel_table(sess.end_profiling(), steps)
+        runner.step(xb, yb, read_loss=False)
+    runner.sync()
+    print(f"{wl.name}: onnxopt fused step (Runner), ORT profiler")
+    kernel_table(runner.session.end_profiling(), steps)
 
 
 def profile_ort_training(wl, X, y, steps: int, folder: str) -> None:
@@ -92,7 +84,8 @@ def profile_ort_training(wl, X, y, steps: int, folder: str) -> None:
         module.lazy_reset_grad()
     del opt, module
     print(f"{wl.name}: ORT on-device training session, ORT profiler")
-    for path in sorted(glob.glob(os.path.join(folder, "ort_training*.json")))[:1]:
+    for path in sorted(glob.glob(os.path.join(folder, "ort_training*.json"))):  # NOTE: training, then optimizer
+        print(f"  {os.path.basename(path)}:")
         kernel_table(path, steps)
 
 

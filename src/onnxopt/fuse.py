@@ -27,6 +27,7 @@ from onnxopt.modelio import ModelLike, load_model, require_training_build, runti
 from onnxopt.passes.lower import BROKEN_FLOAT64_KERNELS, BROKEN_KERNELS, check_portable, lower_training_ops
 from onnxopt.passes.modes import apply_mode, running_updates, split_statistics
 from onnxopt.passes.fuse_update import fuse_update
+from onnxopt.passes.kernels import optimizer_kernels
 from onnxopt.passes.update import is_elementwise, multi_tensor, name_packs
 from onnxopt.rules import widen_float_constants
 from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
@@ -283,9 +284,11 @@ def compile_train_step(
     # NOTE: before _finish, whose constant folding folds the lowerings' CastLike'd constants
     broken = BROKEN_KERNELS | (BROKEN_FLOAT64_KERNELS if initial[names[0]].dtype == ir.DataType.DOUBLE else set())
     lower_training_ops(fused, None if portable else broken)
+    if not portable:  # NOTE: onnxruntime-training's fused optimizer kernels, where they match the rule exactly
+        optimizer_kernels(fused, rule, initial[names[0]].dtype)
     _finish(fused, ["loss", *out_names, STEP + NEW, *(n for _, n in buffers), *[v.name for v in prediction]],
             initial[names[0]].dtype)
-    fuse_update(fused)
+    fuse_update(fused, kernels=not portable)
     name_packs(packs, splits)
     if portable:
         check_portable(fused)

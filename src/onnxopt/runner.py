@@ -3,7 +3,8 @@
 Weights and optimizer state live as OrtValues in three buffer sets; binding k reads set k and writes set
 k+1 (mod 3), all bound once. A step binds only the batch. A failed or diverging step never touches its
 inputs, and the set before them still holds the weights that gave the last finite loss. On CPU the packs of a
-multi-tensor update (``passes.update.flat_carry``) are one buffer per set, the weights bound as views of theirs.
+multi-tensor update (``passes.update.flat_carry``) are one buffer per set, the weights bound as views of theirs,
+and the loss's per-batch bookkeeping is specialized away (``passes.batch``, see ``cpu_model``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -21,10 +23,11 @@ from onnxruntime.capi import _pybind_state as C
 
 from onnxopt.data import as_array
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError
+from onnxopt.passes.batch import drop_same_shape_reshapes, hoist, shaped_target
 from onnxopt.passes.update import PACK_WEIGHTS, flat_carry
 from onnxopt.step import NEW, STEP, TrainStep
 
-__all__ = ["Runner", "default_session_options"]
+__all__ = ["Runner", "default_session_options", "cpu_model"]
 
 logger = logging.getLogger(__name__)
 _N_SETS = 3
@@ -61,6 +64,53 @@ def _without_values(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -
     return stripped.SerializeToString()
 
 
+class CpuModel(NamedTuple):
+    """What the Runner runs on CPU (``cpu_model``): ``model``, its packs, and how a batch is fed to it."""
+
+    model: onnx.ModelProto
+    packs: dict[str, list[str]]
+    side: bytes | None  # NOTE: computes the ``hoisted`` inputs from the sample weights
+    hoisted: list[str]
+    weighted: bytes | None  # NOTE: with hoisted inputs, the model (sample weights kept) for weighted batches
+    weight_kept: bool  # NOTE: whether the sample weights are still an input of ``model``
+    target_shape: tuple[int, ...] | None  # NOTE: the target is fed as (rows, *target_shape)
+
+
+def cpu_model(step: TrainStep) -> CpuModel:
+    """``step.model`` with the packs as inputs and outputs (``flat_carry``), the values computed from the sample
+    weights alone as inputs (``hoist``: the Runner computes them once per batch length when none are given;
+    ``weighted`` keeps them for batches with sample weights) and the target shaped like the prediction
+    (``shaped_target``); their reshapes then go."""
+    model = ir.from_proto(step.model)
+    for name in [*step.weights, *step.buffers]:  # NOTE: always bound: the copies made below need not hold them
+        model.graph.initializers.pop(name, None)
+    packs = flat_carry(model)
+    side, hoisted, kept, target_shape, weighted = None, [], True, None, None
+    inputs = {v.name: v for v in model.graph.inputs}
+    first = inputs[step.inputs[0]].shape
+    batch = first[0].value if first is not None and len(first) and isinstance(first[0], ir.SymbolicDim) else None
+    if step.target is not None and step.target_kind == "float" and batch is not None:
+        target_shape = shaped_target(model, step.target, batch)
+    unhoisted = ir.to_proto(model) if step.sample_weight is not None else None
+    found = hoist(model, step.sample_weight) if step.sample_weight is not None else None
+    if found is not None:
+        proto, kept, weighted = found[0], bool(found[1]), unhoisted.SerializeToString()
+        side = proto.SerializeToString()
+        sess = ort.InferenceSession(side, providers=["CPUExecutionProvider"])
+        hoisted = [o.name for o in sess.get_outputs()]
+        dtype = inputs[step.sample_weight].dtype.numpy()
+        # NOTE: shapes found by running it at two batch lengths: a dimension following the length is the batch's
+        two, three = (sess.run(None, {step.sample_weight: np.ones(n, dtype)}) for n in (2, 3))
+        for name, a, b in zip(hoisted, two, three):
+            dims = [batch if (p, q) == (2, 3) else (p if p == q else None) for p, q in zip(a.shape, b.shape)]
+            next(v for v in model.graph.inputs if v.name == name).shape = ir.Shape(dims)
+    if found is not None or target_shape is not None:
+        drop_same_shape_reshapes(model)
+    changed = packs or found is not None or target_shape is not None
+    return CpuModel(ir.to_proto(model) if changed else step.model, packs, side, hoisted, weighted, kept,
+                    target_shape)
+
+
 class Runner:
     """Runs ``step`` (a ``TrainStep`` or a path to one) on ``device`` ("cpu" or "cuda").
 
@@ -81,13 +131,20 @@ class Runner:
         self.dtype = next(iter(initial.values())).dtype
         opts = session_options or default_session_options(sum(a.size for a in initial.values()), batch_size)
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
-        model, self._packs = self.train_step.model, {}
-        if device == "cpu":  # NOTE: packs are host buffers whose members are bound as numpy views (CPU only)
-            flat = ir.from_proto(model)
-            self._packs = flat_carry(flat)
-            model = ir.to_proto(flat) if self._packs else model
+        # NOTE: packs are host buffers whose members are bound as numpy views, hoisted values host arrays (CPU only)
+        cpu = cpu_model(self.train_step) if device == "cpu" else None
+        model, self._packs = (cpu.model, cpu.packs) if cpu else (self.train_step.model, {})
+        self._side, self._weighted, self._opts = None, cpu.weighted if cpu else None, opts
+        self._hoisted, self._w_kept, self._y_shape = \
+            (cpu.hoisted, cpu.weight_kept, cpu.target_shape) if cpu else ([], True, None)
+        self._y_rows = (-1, *self._y_shape) if self._y_shape is not None else None
+        if cpu is not None and cpu.side is not None:
+            side_opts = ort.SessionOptions()
+            side_opts.intra_op_num_threads, side_opts.log_severity_level = 1, 4
+            self._side = ort.InferenceSession(cpu.side, side_opts, providers=["CPUExecutionProvider"])
         self.session = ort.InferenceSession(_without_values(model, initial), opts, providers=providers)
-        self._input_types = {i.name: i for i in self.session.get_inputs()}
+        # NOTE: as the step declares them (the session's target and sample weights may be specialized, cpu_model)
+        self._input_types = {i.name: i.type.tensor_type for i in self.train_step.model.graph.input}
         self._carried = [*self.train_step.weights, *self.train_step.buffers, *self.train_step.state]
         members = {m for names in self._packs.values() for m in names}
         # NOTE: what the session reads and writes: packs and unpacked tensors; packed weights are read as views
@@ -110,7 +167,7 @@ class Runner:
         self._snapshot: dict[str, np.ndarray] | None = None
         self._current = 0
         self._previous_valid = False
-        self._ones: dict[int, C.OrtValue] = {}
+        self._ones: dict[int, tuple] = {}  # NOTE: per batch length: the OrtValues fed for all-ones sample weights
         self._bound_ones = [None] * _N_SETS  # NOTE: the ones each binding holds as sample weights, if any
         self._x_name, self._y_name, self._w_name = self.train_step.inputs[0], self.train_step.target, self.train_step.sample_weight
         self._y_dtype = np.int64 if self.train_step.target_kind == "index" else self.dtype
@@ -140,8 +197,8 @@ class Runner:
             out[name] = ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
         return out
 
-    def _bind(self, k: int) -> ort.IOBinding:
-        binding = self.session.io_binding()
+    def _bind(self, k: int, session: ort.InferenceSession | None = None) -> ort.IOBinding:
+        binding = (session or self.session).io_binding()
         src, dst = self._sets[k], self._sets[(k + 1) % _N_SETS]
         for name in self._bound:
             binding.bind_ortvalue_input(name, src[name])
@@ -157,6 +214,23 @@ class Runner:
             arr = as_array(arr, dtype, name)
         return C.OrtValue.ortvalue_from_numpy(arr, self._device), arr
 
+    def _weight_values(self, w: np.ndarray) -> tuple[list[tuple[str, C.OrtValue]], list[np.ndarray]]:
+        """(name, OrtValue) pairs fed for all-ones sample weights ``w`` (``hoist``) and the arrays they read."""
+        named = dict(zip(self._hoisted, self._side.run(None, {self._w_name: w}))) if self._side is not None else {}
+        if self._w_kept:
+            named[self._w_name] = w
+        return [(k, C.OrtValue.ortvalue_from_numpy(a, self._device)) for k, a in named.items()], [w, *named.values()]
+
+    def _weighted_bindings(self) -> tuple[C.InferenceSession, list]:
+        """The session of ``CpuModel.weighted`` and its bindings, for batches given sample weights (made once)."""
+        if isinstance(self._weighted, bytes):
+            session = ort.InferenceSession(self._weighted, self._opts, providers=["CPUExecutionProvider"])
+            bindings = [self._bind(k, session) for k in range(_N_SETS)]
+            for binding, value in zip(bindings, self._loss_values):
+                binding._iobinding.bind_ortvalue_output(self.train_step.loss, value)
+            self._weighted = (session, bindings, session._sess, [b._iobinding for b in bindings])
+        return self._weighted[2], self._weighted[3]
+
     def step(self, X, y=None, sample_weight=None, read_loss: bool = True, output_grad=None) -> float | None:
         """One fused run on a batch; returns the loss. Raises ConvergenceError, keeping the last good weights.
 
@@ -164,35 +238,46 @@ class Runner:
         ``sync()`` later reads every pending loss at once and checks them. ``output_grad`` feeds the
         ``<output>.grad`` input of a step compiled with ``external_grad=True``.
         """
-        raw = self._raw[self._current]
+        sess, raw = self.session._sess, self._raw[self._current]
+        if sample_weight is not None and self._weighted is not None:  # NOTE: a session keeping sample weights
+            sess, raw = self._weighted_bindings()
+            raw = raw[self._current]
         xv, X = self._value(X, self.dtype, "X")
         raw.bind_ortvalue_input(self._x_name, xv)
         keep = [X]  # NOTE: OrtValues over numpy memory do not own it: keep the arrays alive until the run ends
         if self._y_name is not None:
             if y is None:
                 raise DataError(f"y: the compiled loss needs targets for {self._y_name!r}, got None")
-            yv, arr = self._value(y, self._y_dtype, "y")
+            arr = y
+            if type(arr) is not np.ndarray or arr.dtype != self._y_dtype or not arr.flags.c_contiguous:
+                arr = as_array(arr, self._y_dtype, "y")
             if arr.shape[:1] != X.shape[:1]:  # NOTE: the loss reshapes targets like the prediction: check rows
                 raise self._data_error([*keep, arr], f"y: expected one row per sample of X, got shape {arr.shape}")
-            raw.bind_ortvalue_input(self._y_name, yv)
+            if self._y_shape is not None and arr.shape[1:] != self._y_shape:  # NOTE: fed shaped (cpu_model)
+                if arr.size != X.shape[0] * math.prod(self._y_shape):
+                    raise self._data_error([*keep, arr], f"y: expected {math.prod(self._y_shape)} value(s) per "
+                                           f"sample (the prediction's shape {self._y_shape}), got shape {arr.shape}")
+                arr = arr.reshape(self._y_rows)
+            raw.bind_ortvalue_input(self._y_name, C.OrtValue.ortvalue_from_numpy(arr, self._device))
             keep.append(arr)
         if self._w_name is not None:
             if sample_weight is None:  # NOTE: unweighted batches share one ones-OrtValue per batch length
                 n = X.shape[0] if X.ndim else 0
                 ones = self._ones.get(n)
                 if ones is None:
-                    ones = self._ones[n] = self._value(np.ones(n, self.dtype), self.dtype, "sample_weight")
+                    ones = self._ones[n] = self._weight_values(np.ones(n, self.dtype))
                 if self._bound_ones[self._current] is not ones:  # NOTE: a bind costs ~0.6 µs, a step ~25 µs
-                    raw.bind_ortvalue_input(self._w_name, ones[0])
+                    for name, value in ones[0]:
+                        raw.bind_ortvalue_input(name, value)
                     self._bound_ones[self._current] = ones
-                keep.append(ones[1])
+                keep.append(ones[1][0])
             else:
                 self._bound_ones[self._current] = None
-                wv, arr = self._value(sample_weight, self.dtype, "sample_weight")
+                arr = as_array(sample_weight, self.dtype, "sample_weight")
                 if arr.shape != X.shape[:1]:  # NOTE: the loss broadcasts weights: (1,) or (n, 1) would run
                     raise self._data_error([*keep, arr], f"sample_weight: expected shape {X.shape[:1]} (one weight "
                                            f"per sample of X), got {arr.shape}")
-                raw.bind_ortvalue_input(self._w_name, wv)
+                raw.bind_ortvalue_input(self._w_name, C.OrtValue.ortvalue_from_numpy(arr, self._device))
                 keep.append(arr)
         elif sample_weight is not None:
             raise DataError("sample_weight: the compiled loss takes no sample weight (its function has no "
@@ -206,10 +291,10 @@ class Runner:
             raw.bind_ortvalue_input(grad_name, gv)
             keep.append(arr)
         if not read_loss:
-            return self._deferred(raw, keep)
+            return self._deferred(sess, raw, keep)
         if self._pending:
             self._synced = [self.sync()]
-        self._run(raw, keep)
+        self._run(sess, raw, keep)
         self.n_runs += 1
         loss = float(self._loss_host[self._current])
         if not math.isfinite(loss):
@@ -224,26 +309,26 @@ class Runner:
         self._previous_valid = True
         return loss
 
-    def _run(self, raw, keep) -> None:
-        """One session run of ``raw``; ORT's shape/type errors become a DataError naming the batch."""
+    def _run(self, sess, raw, keep) -> None:
+        """One run of ``sess`` with binding ``raw``; ORT's shape/type errors become a DataError naming the batch."""
         try:
-            self.session._sess.run_with_iobinding(raw, None)
+            sess.run_with_iobinding(raw, None)
         except Exception as exc:
             raise self._data_error(keep, exc) from exc
 
-    def _deferred(self, raw, keep) -> None:
+    def _deferred(self, sess, raw, keep) -> None:
         if self._pending == _HISTORY:
             self._synced = [self.sync()]
         if not self._pending:
             self._snapshot = {**self.get_weights(), **self.get_state()}
         if self.device == "cpu":  # NOTE: the loss lands in a host scalar: copying it costs less than rebinding
-            self._run(raw, keep)
+            self._run(sess, raw, keep)
             self._history_host[self._pending] = self._loss_host[self._current]
         else:
             slot = self._history.data_ptr() + self._pending * self.dtype.itemsize
             raw.bind_output(self.train_step.loss, self._device, self.dtype, [], slot)
             try:
-                self._run(raw, keep)
+                self._run(sess, raw, keep)
             finally:
                 raw.bind_ortvalue_output(self.train_step.loss, self._loss_values[self._current])
         self.n_runs += 1
@@ -290,7 +375,9 @@ class Runner:
     def _data_error(self, arrays, exc: Exception | str) -> Exception:
         names = [n for n in (self._x_name, self._y_name, self._w_name, self.train_step.output_grad) if n is not None]
         given = ", ".join(f"{n}{tuple(a.shape)} {a.dtype}" for n, a in zip(names, arrays))
-        expected = ", ".join(f"{n}{self._input_types[n].shape} {self._input_types[n].type}" for n in names)
+        types = self._input_types
+        expected = ", ".join(f"{n}{[d.dim_param or d.dim_value for d in types[n].shape.dim]} "
+                             f"tensor({ir.DataType(types[n].elem_type).name.lower()})" for n in names)
         reason = exc if isinstance(exc, str) else f"onnxruntime refused it ({str(exc).splitlines()[0][:300]})"
         return DataError(f"batch: {reason}; expected {expected}, got {given}")
 

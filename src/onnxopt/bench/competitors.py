@@ -95,13 +95,10 @@ class Onnxopt(Competitor):
 
 
 def runner_model(step) -> onnx.ModelProto:
-    """The model the Runner runs on CPU: ``step.model`` with its packs as inputs and outputs (``flat_carry``)."""
-    import onnx_ir as ir
+    """The model the Runner runs on CPU (``runner.cpu_model``: packs bound, the loss's batch bookkeeping out)."""
+    from onnxopt.runner import cpu_model
 
-    from onnxopt.passes.update import flat_carry
-
-    model = ir.from_proto(step.model)
-    return ir.to_proto(model) if flat_carry(model) else step.model
+    return cpu_model(step).model
 
 
 def _onnxopt_update(update: str):

@@ -15,6 +15,7 @@ import onnx_ir.passes.common as common
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
 
 from onnxopt import graphs
+from onnxopt.passes.kernels import sgd_kernel_rules
 
 __all__ = ["update_rules", "fuse_update"]
 
@@ -108,10 +109,11 @@ update_rules = RewriteRuleSet([
 ])
 
 
-def fuse_update(model: ir.Model) -> ir.Model:
-    """Applies ``update_rules`` in place (graph outputs keep their names); returns ``model``."""
+def fuse_update(model: ir.Model, kernels: bool = False) -> ir.Model:
+    """Applies ``update_rules`` in place (graph outputs keep their names), then with ``kernels`` (non-portable
+    steps) ``passes.kernels.sgd_kernel_rules``; returns ``model``."""
     names = [v.name for v in model.graph.outputs]
-    update_rules.apply_to_model(model)
+    (RewriteRuleSet([*update_rules.rules, *sgd_kernel_rules]) if kernels else update_rules).apply_to_model(model)
     for value, name in zip(model.graph.outputs, names):
         value.name = name
     # NOTE: the Identity nodes left are dropped by onnxruntime; merging the Shape nodes they make equal is not

@@ -1,0 +1,81 @@
+"""The Runner's CPU model (runner.cpu_model, passes/batch.py): sample-weight values hoisted out of the step,
+the target fed shaped like the prediction. The reference is ``step.model`` itself in a plain session, run after
+run: the specialized model must give the same numbers bit for bit, with and without sample weights."""
+
+import collections
+
+import numpy as np
+import pytest
+
+import onnxopt
+from onnxopt.dsl import op
+from onnxopt.errors import DataError
+from onnxopt.examples import mlp
+from onnxopt.runner import cpu_model
+
+from helpers import run_once
+
+
+@pytest.fixture
+def data(rng):
+    X = rng.normal(size=(40, 4)).astype(np.float32)
+    score = X @ np.array([1.0, -2.0, 0.5, 0.0], np.float32)
+    return X, score.astype(np.float32), (score > 0).astype(np.float32), (score > 0.5).astype(np.int64) + (score > -0.5)
+
+
+@onnxopt.dsl.loss
+def weighted_cube(y, t, sample_weight):  # NOTE: a custom loss: its gradient comes from the builder
+    d = op.Sub(y, op.Reshape(t, op.Shape(y)))
+    w = op.Reshape(sample_weight, op.Constant(value_ints=[-1, 1]))
+    return op.Div(op.ReduceSum(op.Mul(w, op.Mul(d, op.Mul(d, d)))), op.ReduceSum(w))
+
+
+def _ops(step) -> collections.Counter:
+    import onnx_ir as ir
+
+    return collections.Counter(n.op_type for n in ir.from_proto(cpu_model(step).model).graph)
+
+
+@pytest.mark.parametrize("loss, sizes, target", [("square", [4, 6, 1], 1), ("log", [4, 1], 2),
+                                                 ("square", [4, 5, 2], None), ("cross_entropy", [4, 5, 3], 3),
+                                                 (weighted_cube, [4, 3, 1], 1)])
+def test_runner_specialized_model_matches_the_step_bit_for_bit(data, loss, sizes, target):
+    X, *targets = data
+    y = np.stack([targets[0], -targets[0]], axis=1) if target is None else targets[target - 1]
+    step = onnxopt.compile_train_step(mlp(sizes, seed=1), loss=loss, update="adam", learning_rate=0.05)
+    runner = onnxopt.Runner(step)
+    weights, state = step.initial_weights(), {}
+    sw = np.linspace(0.5, 2.0, 10).astype(np.float32)
+    for k in range(6):
+        xb, yb = X[k % 4 * 10:][:10], y[k % 4 * 10:][:10]
+        if k == 4 and yb.ndim == 1 and step.target_kind == "float":
+            yb = yb.reshape(-1, 1)  # NOTE: a column target is fed as it is
+        weighted = sw if k in (2, 3) else None
+        ref = run_once(step, xb, yb, sample_weight=weighted, weights=weights, state=state, step_count=k)
+        assert runner.step(xb, yb, sample_weight=weighted) == ref["loss"]
+        weights = {n: ref[n + ".new"] for n in step.weights}
+        state = {n: ref[n + ".new"] for n in step.state if n != "optim.step"}
+    for name, value in runner.get_weights().items():
+        np.testing.assert_array_equal(value, weights[name], err_msg=name)
+
+
+def test_cpu_model_drops_the_loss_bookkeeping():
+    step = onnxopt.compile_train_step(mlp([4, 6, 1]), loss="square", update="sgd", learning_rate=0.05)
+    before = collections.Counter(n.op_type for n in step.model.graph.node)
+    after = _ops(step)
+    cpu = cpu_model(step)
+    assert cpu.target_shape == (1,) and cpu.hoisted and not cpu.weight_kept
+    assert before["Shape"] >= 1 and after["Shape"] == 0 and after["Reshape"] == 0  # NOTE: Reshape(target/sw/dy)
+    assert sum(after.values()) <= sum(before.values()) - 6, (before, after)
+
+
+def test_a_target_of_the_wrong_size_is_a_data_error_naming_y(data):
+    X, y, _, _ = data
+    step = onnxopt.compile_train_step(mlp([4, 6, 1]), loss="square", update="sgd", learning_rate=0.05)
+    runner = onnxopt.Runner(step)
+    with pytest.raises(DataError, match=r"y: expected 1 value\(s\) per sample .* got shape \(10, 2\)"):
+        runner.step(X[:10], np.zeros((10, 2), np.float32))
+    with pytest.raises(DataError, match=r"sample_weight: expected shape \(10,\)"):
+        runner.step(X[:10], y[:10], sample_weight=np.ones(9, np.float32))
+    assert runner.step_count == 0
+    assert np.isfinite(runner.step(X[:10], y[:10]))
