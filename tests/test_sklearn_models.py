@@ -156,8 +156,8 @@ def test_logistic_regression_linear_classifier_is_lowered(data):
     est = _fit(LogisticRegression(max_iter=2), X, labels)
     onx = to_onnx(est, X[:1], options={"zipmap": False}, target_opset=OPSET)
     assert [n.op_type for n in onx.graph.node] == ["LinearClassifier"]
-    # NOTE: binary LogisticRegression becomes two independent LOGISTIC rows (-w, w): only the binary log loss
-    # on the positive column is a proper objective (a cross-entropy would push both rows up on its own).
+    # NOTE: binary LogisticRegression is written as two LOGISTIC rows (-w, w); onnxopt keeps them tied
+    # (ml_rules._tie_binary_columns): one (features, 1) weight, scikit-learn's coef_.
     step = _classifier_step(onx, dsl.losses.log(from_logits=False))
     assert sorted(step.weights) == ["LinearClassifier_coef", "LinearClassifier_intercept"]
     losses, w = train(step, X, labels.astype(np.float32))
@@ -165,7 +165,8 @@ def test_logistic_regression_linear_classifier_is_lowered(data):
     assert losses[-1] < 0.5 * losses[0]
     best = log_loss(labels, LogisticRegression(C=1e6, max_iter=1000).fit(X, labels).predict_proba(X))
     assert losses[-1] > best - 1e-3  # no model of this family does better than the unregularized optimum
-    assert w["LinearClassifier_coef"].shape == (4, 2)
+    assert w["LinearClassifier_coef"].shape == (4, 1)
+    np.testing.assert_allclose(step.initial_weights()["LinearClassifier_coef"].ravel(), est.coef_.ravel(), rtol=1e-6)
 
 
 def test_zipmap_is_dropped_and_its_probabilities_train(data):

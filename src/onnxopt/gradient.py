@@ -266,7 +266,8 @@ def _fix(node: ir.Node, weights: Sequence[str]) -> str:
     if node.op_type in ("BatchNormalization", "Dropout"):
         return "compile_train_step(mode='train' or 'eval') rewrites this op"
     if node.op_type == "Pad":
-        return "pad with a constant (torch: padding_mode='zeros', F.pad(..., mode='constant')) where a gradient flows"
+        return ("pad with a constant where a gradient flows (torch: padding_mode='zeros', "
+                "F.pad(..., mode='constant'))")
     trained = [v.name for v in node.inputs[1:] if v is not None and v.name in weights]
     if trained:
         return (f"if {trained} are not parameters, leave them out with frozen={trained} (or list the weights "

@@ -12,6 +12,8 @@ coefficients are initializers (weights to train), computing the same outputs:
   PROBIT and SOFTMAX_ZERO are left alone (then reported by ``NotDifferentiableError``).
 - ``Normalizer(X, norm)`` -> ``X / ReduceSum(|X|)`` (L1), ``X / Sqrt(ReduceSum(X²))`` (L2), ``X / ReduceMax(X)``
   (MAX) along axis 1; ``Scaler(X)`` -> ``(X - offset) · scale``.
+- skl2onnx's binary linear classifier ``X·(-w, w) + (-b, b)`` (lowered or as written in float64) keeps the tie:
+  ``w`` and ``b`` are the weights, read through ``Concat(-w, w)`` (scikit-learn's ``coef_``, trained once).
 
 ``drop_zipmap`` (applied by ``modelio.load_model`` before anything else) removes a ``ZipMap`` that ends the
 graph (skl2onnx's default for classifiers): the probabilities tensor it reads becomes the graph output, under
@@ -238,7 +240,56 @@ _LOWERED = ("LinearRegressor", "LinearClassifier", "Normalizer", "Scaler")
 
 
 def lower_ml_ops(model: ir.Model) -> ir.Model:
-    """Applies ``ml_rules`` in place when the graph holds one of their ``ai.onnx.ml`` ops; returns ``model``."""
+    """Applies ``ml_rules`` in place when the graph holds one of their ``ai.onnx.ml`` ops, then ties
+    skl2onnx's binary score columns (``_tie_binary_columns``); returns ``model``."""
     if any(n.domain == ML_DOMAIN and n.op_type in _LOWERED for n in model.graph):
         ml_rules.apply_to_model(model)
+    _tie_binary_columns(model)
     return model
+
+
+def _negated_pair(value: ir.Value | None) -> bool:
+    """An initializer read once whose last axis holds two columns (-v, v), v not all zero."""
+    if value is None or not value.is_initializer() or value.const_value is None or len(value.uses()) != 1:
+        return False
+    a = value.const_value.numpy()
+    return (a.ndim >= 1 and a.shape[-1] == 2 and np.array_equal(a[..., 0], -a[..., 1])
+            and bool(a[..., 1].any()))
+
+
+def _tie(graph: ir.Graph, node: ir.Node, slot: int) -> None:
+    """The initializer at ``slot`` of ``node`` becomes its second column ``v`` (same name), read as
+    ``Concat(-v, v)``."""
+    value = node.inputs[slot]
+    half = value.const_value.numpy()[..., 1:]
+    name = value.name
+    graph.initializers.pop(name)
+    value.const_value = None  # NOTE: before renaming: onnx-ir renames the tensor too (the caller's proto)
+    value.name = f"{name}.pair"
+    kept = ir.Value(name=name, type=value.type, shape=ir.Shape(half.shape),
+                    const_value=ir.tensor(np.ascontiguousarray(half)))
+    graph.register_initializer(kept)
+    tape = ir.tape.Tape()
+    both = tape.op("Concat", [tape.op("Neg", [kept]), kept], {"axis": half.ndim - 1})
+    graph.insert_before(node, tape.nodes)
+    node.replace_input_with(slot, both)
+
+
+def _tie_binary_columns(model: ir.Model) -> None:
+    """skl2onnx writes a binary linear classifier's scores as ``X·(-w, w) + (-b, b)`` (LogisticRegression):
+    ``w`` and ``b`` become the weights, read as ``Concat(-w, w)``, so that training keeps the tie and trains
+    scikit-learn's ``coef_`` and ``intercept_`` once each (two free columns would be another model)."""
+    if model.producer_name != "skl2onnx":
+        return
+    for node in list(model.graph):
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+            continue
+        if not _negated_pair(node.inputs[1]):
+            continue
+        users = list(node.outputs[0].uses())
+        add = users[0][0] if len(users) == 1 and users[0][0].op_type == "Add" else None
+        bias = 1 - users[0][1] if add is not None else None
+        if add is None or not _negated_pair(add.inputs[bias]):
+            continue
+        _tie(model.graph, node, 1)
+        _tie(model.graph, add, bias)

@@ -171,6 +171,8 @@ class Runner:
         self._bound_ones = [None] * _N_SETS  # NOTE: the ones each binding holds as sample weights, if any
         self._x_name, self._y_name, self._w_name = self.train_step.inputs[0], self.train_step.target, self.train_step.sample_weight
         self._y_dtype = np.int64 if self.train_step.target_kind == "index" else self.dtype
+        # NOTE: X keeps the model input's own type (int64 tokens for an Embedding), not the weights'
+        self.x_dtype = ir.DataType(self._input_types[self._x_name].elem_type).numpy()
         self.n_runs = 0
 
     # -- buffers -----------------------------------------------------------------------------------------
@@ -242,7 +244,7 @@ class Runner:
         if sample_weight is not None and self._weighted is not None:  # NOTE: a session keeping sample weights
             sess, raw = self._weighted_bindings()
             raw = raw[self._current]
-        xv, X = self._value(X, self.dtype, "X")
+        xv, X = self._value(X, self.x_dtype, "X")
         raw.bind_ortvalue_input(self._x_name, xv)
         keep = [X]  # NOTE: OrtValues over numpy memory do not own it: keep the arrays alive until the run ends
         if self._y_name is not None:

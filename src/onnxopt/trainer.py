@@ -177,7 +177,7 @@ class Trainer:
     # -- data --------------------------------------------------------------------------------------------
     def _validate(self, X, y, sample_weight, fit: bool):
         dtype = self.runner_.dtype
-        X = check_features(X, self._x_shape, dtype, self.allow_nan)
+        X = check_features(X, self._x_shape, self.runner_.x_dtype, self.allow_nan)
         n = X.shape[0]
         ts = self.train_step_
         if ts.target is None:
@@ -363,7 +363,7 @@ class Trainer:
             raise AttributeError(f"This {type(self).__name__} is not fitted yet; call fit first")
         if self._predictor is None:
             self._sessions()
-        X = check_features(X, self._x_shape, self.runner_.dtype, self.allow_nan)
+        X = check_features(X, self._x_shape, self.runner_.x_dtype, self.allow_nan)
         return self._run(self._predictor, {self.train_step_.inputs[0]: X})
 
     def predict(self, X) -> np.ndarray:

@@ -434,7 +434,7 @@ def _cumsum(op, node, x, axis):
     exclusive, reverse = node.attributes.get_int("exclusive", 0), node.attributes.get_int("reverse", 0)
     compare = {(0, 0): op.LessOrEqual, (1, 0): op.Less, (0, 1): op.GreaterOrEqual, (1, 1): op.Greater}
     triangle = op.Cast(compare[exclusive, reverse](rows, cols), to=x.dtype)
-    if axis == rank - 1:  # NOTE: no identity Transpose: ORT's GemmTransposeFusion would fold it as a transpose
+    if axis == rank - 1:  # NOTE: no identity Transpose: ORT's GemmTransposeFusion folds it as a transpose
         return op.MatMul(x, triangle)
     return op.Transpose(op.MatMul(op.Transpose(x, perm=perm), triangle), perm=perm)
 
@@ -575,7 +575,9 @@ def _resize_factors(node: ir.Node) -> list[int] | None:
 def _linear_scales(node: ir.Node) -> list[float] | None:
     """The scale of each axis of a linear Resize given constant scales, when only static axes >= 2 change."""
     x, scales = node.inputs[0], node.inputs[2] if len(node.inputs) > 2 else None
-    if x.shape is None or scales is None or scales.const_value is None or scales.const_value.size != len(x.shape):
+    if x.shape is None or scales is None or scales.const_value is None:
+        return None
+    if scales.const_value.size != len(x.shape):
         return None
     factors = [float(f) for f in scales.const_value.numpy()]
     moved = [k for k, f in enumerate(factors) if f != 1.0]
@@ -602,7 +604,8 @@ def _interpolation(n_in: int, scale: float, mode: str) -> np.ndarray:
 
 
 def _resize_linear(op, node, x):
-    """Linear Resize as one MatMul per resized axis by its constant interpolation matrix (no CPU ResizeGrad)."""
+    """Linear Resize as one MatMul per resized axis by its constant interpolation matrix (ResizeGrad has no
+    CPU kernel)."""
     mode = node.attributes.get_string("coordinate_transformation_mode", "half_pixel")
     rank, y = len(x.shape), x
     for k, f in enumerate(_linear_scales(node)):
@@ -611,7 +614,10 @@ def _resize_linear(op, node, x):
         perm = list(range(rank))
         perm[k], perm[-1] = perm[-1], perm[k]
         a = op.CastLike(op.Constant(value=ir.tensor(_interpolation(x.shape[k], f, mode))), x)
-        y = op.MatMul(y, a) if k == rank - 1 else op.Transpose(op.MatMul(op.Transpose(y, perm=perm), a), perm=perm)
+        if k == rank - 1:
+            y = op.MatMul(y, a)
+        else:
+            y = op.Transpose(op.MatMul(op.Transpose(y, perm=perm), a), perm=perm)
     return y
 
 
@@ -630,8 +636,9 @@ def _resize_check(node: ir.Node) -> str | None:
     if node.attributes.get_string("mode", "nearest") == "linear":
         if node.attributes.get_int("antialias", 0) or _linear_scales(node) is None:
             return "only linear Resize by constant scales of static axes >= 2, no antialias, is rewritten"
-        return None if node.attributes.get_string("coordinate_transformation_mode", "half_pixel") in (
-            "half_pixel", "pytorch_half_pixel", "asymmetric", "align_corners") else "this mode is not rewritten"
+        mode = node.attributes.get_string("coordinate_transformation_mode", "half_pixel")
+        modes = ("half_pixel", "pytorch_half_pixel", "asymmetric", "align_corners")
+        return None if mode in modes else f"coordinate_transformation_mode {mode!r} is not rewritten"
     if node.attributes.get_string("mode", "nearest") != "nearest" or _resize_factors(node) is None:
         return "only nearest Resize by constant integer scales (or sizes of a static shape) is rewritten"
     # NOTE: with integer factors, these modes all pick source index floor(i / factor)
@@ -1160,10 +1167,14 @@ def _complete_outputs(graph: ir.Graph) -> None:
             continue
         inputs = list(node.inputs)
         if node.op_type == "LayerNormalization" and (len(inputs) < 3 or inputs[2] is None):
-            # NOTE: LayerNormalizationGrad reads a bias input (torch's elementwise_affine=False/bias=False omit it)
-            tape = ir.tape.Tape()
-            zeros = tape.op("Sub", [inputs[1], inputs[1]])
-            zeros.dtype = inputs[1].dtype
+            # NOTE: LayerNormalizationGrad reads a bias (torch's elementwise_affine=False / bias=False omit it)
+            dtype = inputs[1].dtype or inputs[0].dtype
+            if dtype is None:
+                continue  # NOTE: left to the builder, which names the node in its error
+            tape = ir.tape.Tape()  # NOTE: zeros shaped like the scale, outside the gradient path
+            zeros = tape.op("ConstantOfShape", [tape.op("Shape", [inputs[1]])],
+                            attributes={"value": ir.tensor(np.zeros(1, dtype.numpy()))})
+            zeros.dtype = dtype
             graph.insert_before(node, tape.nodes)
             inputs = [*inputs[:2], zeros]
         elif len(node.outputs) >= want:
@@ -1217,10 +1228,13 @@ def _split_directions(graph: ir.Graph) -> None:
             results.append(outs)
         for n in tape.nodes:
             n.metadata_props.update(node.metadata_props)
-        news = [tape.op("Concat", list(vs), {"axis": 1 if k == 0 else 0}) if both else vs[0]
+        used = [old.uses() or old.is_graph_output() for old in node.outputs]
+        news = [tape.op("Concat", list(vs), {"axis": 1 if k == 0 else 0}) if both and used[k] else vs[0]
                 for k, vs in enumerate(zip(*results))]
         graph.insert_before(node, tape.nodes)
-        for old, value in zip(node.outputs, news):
+        for old, value, keep in zip(node.outputs, news, used):
+            if not keep:  # NOTE: an omitted optional output (empty name) stays unnamed and unread
+                continue
             value.dtype = old.dtype
             name, old.name = old.name, None
             ir.convenience.replace_all_uses_with(old, value, replace_graph_outputs=True)

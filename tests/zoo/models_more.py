@@ -1,0 +1,416 @@
+"""More torch models for the zoo (tests/zoo/test_more_exports.py): layers and ops the first zoo lacks.
+
+Same scheme as ``zoo.models``: fixed seeds, noise on every parameter (no two equal tensors an exporter would
+merge), exports made once per session by ``zoo.models.export`` (dynamo, dynamo18, script, script_train).
+Each model is small; several activations or tensor ops share one model to keep the number of exports low.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+import torch
+
+from zoo.common import locate as common_locate
+from zoo.models import export
+
+nn = torch.nn
+F = nn.functional
+
+
+class Branches(nn.Module):
+    """Linear(4, 6·k), chunked into k branches, one activation each, concatenated, Linear to 1."""
+
+    def __init__(self, acts: list[nn.Module], width: int = 6):
+        super().__init__()
+        self.fc1, self.acts = nn.Linear(4, width * len(acts)), nn.ModuleList(acts)
+        out = sum(act(torch.zeros(2, width)).shape[1] for act in acts)  # NOTE: GLU halves its branch
+        self.fc2 = nn.Linear(out, 1)
+
+    def forward(self, x):
+        parts = torch.chunk(self.fc1(x), len(self.acts), dim=1)
+        return self.fc2(torch.cat([act(p) for act, p in zip(self.acts, parts)], dim=1))
+
+
+class SoftmaxHead(nn.Module):
+    """Linear -> ReLU -> Linear -> Softmax: probabilities, trained with the cross-entropy on probabilities."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return torch.softmax(self.fc2(F.relu(self.fc1(x))), dim=1)
+
+
+class MathOps(nn.Module):
+    """Elementwise and reduction ops torch users write inline (normalize, pow, sqrt, exp, clamp, std, where,
+    cumsum, einsum, max over a dim), a free Parameter, and one Linear applied twice (a tied weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.tensor([0.5, -0.3, 0.8, 0.1, 0.2, -0.6]))
+        self.out = nn.Linear(10, 1)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        n = F.normalize(h, dim=1)
+        a = torch.sqrt(h.pow(2) + 0.1) * torch.exp(-0.1 * torch.clamp(h, -2.0, 2.0))
+        b = torch.where(h > 0, h, self.scale * h)
+        c = torch.cumsum(self.fc2(torch.tanh(self.fc2(n))), dim=1) / 6  # NOTE: fc2 twice: a tied weight
+        d = torch.einsum("ni,nj->n", a, b).unsqueeze(1) / 6
+        e = torch.stack([h.std(dim=1), h.max(dim=1).values, h.amin(dim=1)], dim=1)
+        return self.out(torch.cat([c, d, e], dim=1))
+
+
+class BilinearNet(nn.Module):
+    """nn.Bilinear on two Tanh(Linear) views of the input (TorchScript cannot export aten::bilinear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 2)
+        self.bil = nn.Bilinear(3, 2, 1)
+
+    def forward(self, x):
+        return self.bil(torch.tanh(self.a(x)), torch.tanh(self.b(x)))
+
+
+class Conv1dBN(nn.Module):
+    """Conv1d (stride, padding) -> BatchNorm1d -> ReLU6 -> MaxPool1d -> Conv1d (dilation) -> AdaptiveAvgPool1d
+    -> Dropout -> Linear; (N, 2, 12)."""
+
+    folds = [("c1", "bn")]
+
+    def __init__(self, p: float = 0.2):
+        super().__init__()
+        self.c1, self.bn = nn.Conv1d(2, 6, 3, stride=2, padding=2), nn.BatchNorm1d(6)
+        self.c2 = nn.Conv1d(6, 4, 2, dilation=2)
+        self.drop, self.fc = nn.Dropout(p), nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.c2(F.max_pool1d(F.relu6(self.bn(self.c1(x))), 2, stride=1))  # (N, 4, 4)
+        return self.fc(self.drop(F.adaptive_avg_pool1d(h, 2)).flatten(1))
+
+
+class Conv2dNet(nn.Module):
+    """Conv2d (padding) + grouped Conv2d of its Hardswish -> AvgPool2d -> dilated Conv2d ->
+    AdaptiveAvgPool2d."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 4, 3, stride=1, padding=1)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1, groups=2)
+        self.pool = nn.AvgPool2d(2)
+        self.c3 = nn.Conv2d(4, 6, 3, padding=2, dilation=2)
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.c1(x)
+        h = self.pool(h + self.c2(F.hardswish(h)))
+        return self.fc(self.gap(self.c3(h)).flatten(1))
+
+
+class Residual(nn.Module):
+    """Conv -> BatchNorm2d -> ReLU -> Conv -> BatchNorm2d + x -> ReLU -> Dropout -> GAP -> Linear;
+    2 classes."""
+
+    folds = [("c1", "b1"), ("c2", "b2")]
+
+    def __init__(self, p: float = 0.2):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 4, 3, padding=1)
+        self.c1, self.b1 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.c2, self.b2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(p)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.stem(x)
+        h = self.b2(self.c2(F.relu(self.b1(self.c1(x)))))
+        return self.fc(self.drop(F.relu(h + x)).mean(dim=(2, 3)))
+
+
+class DeconvNet(nn.Module):
+    """Conv2d stride 2 -> SiLU -> ConvTranspose2d stride 2 -> Upsample nearest x2 -> Conv -> Upsample
+    bilinear x2
+    -> AvgPool2d(10) -> Linear; (N, 1, 6, 6)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 3, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(3, 2, 2, stride=2)
+        self.c2 = nn.Conv2d(2, 2, 3)
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = F.interpolate(self.up(F.silu(self.c1(x))), scale_factor=2, mode="nearest")
+        h = F.interpolate(self.c2(h), scale_factor=2, mode="bilinear")  # (N, 2, 20, 20)
+        return self.fc(F.avg_pool2d(h, 10).flatten(1))
+
+
+class PoolPad(nn.Module):
+    """ReflectionPad2d -> Conv -> MaxPool2d(ceil_mode) -> ZeroPad2d -> Conv -> PixelShuffle -> MaxPool2d.
+    (TorchScript cannot export AdaptiveMaxPool2d of a dynamic shape.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 4, 3)
+        self.c2 = nn.Conv2d(4, 4, 3)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = F.relu(self.c1(F.pad(x, (1, 1, 1, 1), mode="reflect")))
+        h = F.max_pool2d(h, 2, ceil_mode=True)  # (N, 4, 3, 3)
+        h = F.pixel_shuffle(self.c2(F.pad(h, (1, 1, 1, 1))), 2)  # (N, 1, 6, 6)
+        return self.fc(F.max_pool2d(h, 3).flatten(1))
+
+
+class Conv3dNet(nn.Module):
+    """Conv3d -> Tanh -> AvgPool3d -> Linear; (N, 1, 4, 4, 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv3d(1, 3, 2)
+        self.fc = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.fc(F.avg_pool3d(torch.tanh(self.c(x)), 3).flatten(1))
+
+
+class Norms(nn.Module):
+    """A 1x1 Conv1d on (N, 3, 5), then GroupNorm, InstanceNorm1d (affine) and LayerNorm without affine side by
+    side, Tanh, flattened, Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv1d(3, 4, 1)
+        self.norms = nn.ModuleList([nn.GroupNorm(2, 4), nn.InstanceNorm1d(4, affine=True),
+                                    nn.LayerNorm(5, elementwise_affine=False)])
+        self.fc = nn.Linear(60, 1)
+
+    def forward(self, x):
+        h = self.c(x)
+        return self.fc(torch.cat([torch.tanh(norm(h)).flatten(1) for norm in self.norms], dim=1))
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention self-attention (batch_first, 2 heads) + residual, mean over time, Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h, _ = self.attn(x, x, x, need_weights=False)
+        return self.fc((h + x).mean(dim=1))
+
+
+class TensorOps(nn.Module):
+    """split / permute / transpose / matmul / cat between two Linear layers; (N, 3, 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.fc = nn.Linear(6, 1)
+
+    def forward(self, x):
+        a, b = torch.split(self.q(x), [1, 3], dim=2)  # (N, 3, 1), (N, 3, 3)
+        scores = torch.matmul(self.k(x), x.transpose(1, 2))  # (N, 3, 3)
+        h = torch.cat([b, scores.permute(0, 2, 1)], dim=2) * torch.sigmoid(a)  # (N, 3, 6)
+        return self.fc(h.sum(dim=1))
+
+
+class BiRNN(nn.Module):
+    """A bidirectional GRU and a 2-layer bidirectional LSTM side by side over (N, 5, 3), Linear on the GRU's
+    last step and the LSTM's final hidden and cell states."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(3, 4, bidirectional=True, batch_first=True)
+        self.lstm = nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(20, 1)
+
+    def forward(self, x):
+        _, (h, c) = self.lstm(x)  # NOTE: the last LSTM layer's Y_h and Y_c read, its Y not (an unused output)
+        return self.head(torch.cat([self.gru(x)[0][:, -1], h[-1], c[-2], h[-3]], dim=1))
+
+
+class GRU2(nn.Module):
+    """2-layer unidirectional GRU (its initial state given), Linear on the last step."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 4, num_layers=2, batch_first=True)
+        self.h0 = nn.Parameter(0.1 * torch.ones(2, 1, 4))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        out, _ = self.rnn(x, self.h0.expand(2, x.shape[0], 4).contiguous())
+        return self.head(out[:, -1])
+
+
+class EmbeddingBag(nn.Module):
+    """Embedding of integer tokens (N, 6) in [0, 10), mean over tokens, Linear; 3 classes, LogSoftmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(10, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc(self.emb(x).mean(dim=1)), dim=1)
+
+
+@dataclasses.dataclass
+class Spec:
+    """How to build one model and its data (see ``zoo.models.TorchSpec``)."""
+
+    build: Callable[..., nn.Module]  # build() or build(p) for models with Dropout
+    shape: tuple[int, ...]
+    loss: str = "square"  # "square" on (N, 1); "cross_entropy" on logits; "nll" on log-probabilities; "proba"
+    classes: int = 0
+    stateful: bool = False
+    lr: float = 0.05
+    tokens: int = 0  # > 0: int64 inputs in [0, tokens)
+    summary: Callable[[np.ndarray], np.ndarray] = lambda X: X.reshape(len(X), -1)
+
+
+def _standardized(X: np.ndarray) -> np.ndarray:
+    """X standardized along its last axis (what survives a normalization over it), flattened."""
+    return ((X - X.mean(axis=-1, keepdims=True)) / X.std(axis=-1, keepdims=True)).reshape(len(X), -1)
+
+
+def _branches(*acts):
+    return lambda: Branches([a() for a in acts])
+
+
+MODELS: dict[str, Spec] = {
+    "activations": Spec(_branches(nn.Hardswish, nn.Hardsigmoid, nn.ReLU6, nn.Mish, nn.SELU, nn.CELU,
+                                  nn.Softsign, nn.LogSigmoid, nn.Tanhshrink, nn.Hardtanh,
+                                  lambda: nn.Softshrink(0.2), lambda: nn.Hardshrink(0.2),
+                                  lambda: nn.Softmin(dim=1), nn.GLU, lambda: nn.PReLU(6)), (4,)),
+    "softmax_head": Spec(SoftmaxHead, (4,), loss="proba", classes=3, lr=0.3),
+    "math_ops": Spec(MathOps, (4,)),
+    "bilinear": Spec(BilinearNet, (4,)),
+    "conv1d_bn": Spec(lambda p=0.2: Conv1dBN(p), (2, 12), stateful=True, lr=0.1,
+                      summary=lambda X: X[:, :, ::3].reshape(len(X), -1)),
+    "conv2d": Spec(Conv2dNet, (2, 6, 6), loss="cross_entropy", classes=3, lr=0.5,
+                   summary=lambda X: 6 * X.mean(axis=(2, 3))),
+    "residual": Spec(lambda p=0.2: Residual(p), (1, 5, 5), loss="cross_entropy", classes=2, stateful=True,
+                     lr=0.3, summary=lambda X: 5 * X.mean(axis=(2, 3))),
+    "deconv": Spec(DeconvNet, (1, 6, 6), lr=0.1, summary=lambda X: 2 * X[:, :, 1:5, 1:5].mean(axis=(2, 3))),
+    "pool_pad": Spec(PoolPad, (1, 6, 6), loss="cross_entropy", classes=3, lr=0.3,
+                     summary=lambda X: 6 * X.mean(axis=(2, 3))),
+    "conv3d": Spec(Conv3dNet, (1, 4, 4, 4), lr=0.1,
+                   summary=lambda X: 4 * X[:, :, 1:3, 1:3, 1:3].mean(axis=(2, 3, 4))),
+    "norms": Spec(Norms, (3, 5), summary=_standardized),
+    "attention": Spec(Attention, (4, 8), summary=lambda X: X.mean(axis=1)),
+    "tensor_ops": Spec(TensorOps, (3, 4)),
+    "birnn": Spec(BiRNN, (5, 3), lr=0.2, summary=lambda X: X[:, -1]),
+    "gru2": Spec(GRU2, (5, 3), lr=0.2, summary=lambda X: X[:, -1]),
+    "embedding": Spec(EmbeddingBag, (6,), loss="nll", classes=3, lr=0.5, tokens=10),
+}
+
+
+def make_module(name: str, p: float | None = None) -> nn.Module:
+    torch.manual_seed(0)
+    spec = MODELS[name]
+    module = spec.build() if p is None else spec.build(p)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in module.parameters():  # NOTE: no two equal tensors (exporters merge them)
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=gen))
+                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=gen))
+                m.running_mean.copy_(0.3 * torch.randn(m.running_mean.shape, generator=gen))
+                m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=gen))
+    return module
+
+
+def make_data(name: str, n: int = 96, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs and a learnable target (a fixed nonlinear teacher of the inputs)."""
+    spec = MODELS[name]
+    rng = np.random.default_rng(seed)
+    if spec.tokens:
+        X = rng.integers(0, spec.tokens, size=(n, *spec.shape)).astype(np.int64)
+        flat = np.eye(spec.tokens)[X].mean(axis=1)
+    else:
+        X = rng.normal(size=(n, *spec.shape)).astype(np.float32)
+        flat = spec.summary(X)
+    teacher = np.random.default_rng(123).normal(size=(flat.shape[1], max(spec.classes, 1)))
+    score = np.tanh(flat @ teacher / np.sqrt(flat.shape[1]) * (4 if spec.tokens else 1))
+    if spec.classes:
+        return X, score.argmax(axis=1).astype(np.int64)
+    return X, (2 * score + 0.5).astype(np.float32)
+
+
+def torch_loss(name: str, pred, y):
+    y = torch.as_tensor(y)
+    loss = MODELS[name].loss
+    if loss == "nll":
+        return F.nll_loss(pred, y)
+    if loss == "proba":
+        return F.nll_loss(torch.log(pred), y)
+    if loss == "cross_entropy":
+        return F.cross_entropy(pred, y)
+    return F.mse_loss(pred, y.reshape(pred.shape))
+
+
+def loss_name(name: str) -> str:
+    """What onnxopt compiles: cross-entropy on raw scores for log-probabilities too (log_softmax is
+    idempotent: the softmax cross-entropy of log-probabilities is their negative log-likelihood)."""
+    loss = MODELS[name].loss
+    if loss == "proba":
+        from onnxopt import dsl
+
+        return dsl.losses.cross_entropy(from_logits=False)
+    return "square" if loss == "square" else "cross_entropy"
+
+
+_EXPORTS: dict[tuple[str, str, float | None], tuple[onnx.ModelProto, dict]] = {}
+
+
+def _export_once(name: str, exporter: str, p: float | None):
+    key = (name, exporter, p)
+    if key not in _EXPORTS:
+        module = make_module(name, p)
+        module.train(exporter == "script_train")
+        proto = export(module, make_data(name, n=4)[0], exporter)
+        _EXPORTS[key] = proto, {k: v.clone() for k, v in module.state_dict().items()}
+    return _EXPORTS[key]
+
+
+def exported(name: str, exporter: str, p: float | None = None) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(_export_once(name, exporter, p)[0])
+    return out
+
+
+def exported_module(name: str, exporter: str, p: float | None = None) -> nn.Module:
+    module = make_module(name, p)
+    module.load_state_dict(_export_once(name, exporter, p)[1])
+    return module
+
+
+def reference_module(name: str, exporter: str, p: float | None = None) -> nn.Module:
+    """The exported module in eval mode, BatchNorm folded into its Conv when the export has none left."""
+    module = exported_module(name, exporter, p).eval()
+    if any(n.op_type == "BatchNormalization" for n in exported(name, exporter, p).graph.node):
+        return module
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    for conv, bn in getattr(module, "folds", []):
+        setattr(module, conv, fuse_conv_bn_eval(getattr(module, conv), getattr(module, bn)))
+        setattr(module, bn, nn.Identity())
+    return module
+
+
+def locate(module: nn.Module, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return common_locate(dict(module.named_parameters()), weights)
