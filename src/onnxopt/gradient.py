@@ -102,8 +102,12 @@ def _preprocessing_constants(m: ir.Model) -> set[str]:
 
 def _weight_names(m: ir.Model) -> list[str]:
     computed = {v.name for node in m.graph for v in node.outputs} | {v.name for v in m.graph.inputs}
+    weights = [name for name, v in m.graph.initializers.items() if _is_weight(v, computed)]
+    # NOTE: statistics of a transformer only in front of an estimator's coefficients: a model that is nothing
+    # but X + c (onnxcustom's tests) trains c
     skip = _preprocessing_constants(m)
-    return [name for name, v in m.graph.initializers.items() if name not in skip and _is_weight(v, computed)]
+    kept = [name for name in weights if name not in skip]
+    return kept if kept else weights
 
 
 def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
@@ -111,7 +115,7 @@ def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
     indices, bounds, BatchNormalization statistics, Dropout ratios, Pow exponents, comparison operands or
     RNN initial states, 0-d scalars, constants the dynamo exporter folded from its temporaries,
     one-element ±1 constants read only as ``1 - x`` or ``x·(±1)``, and in skl2onnx models the constants of
-    feature-wise Sub/Div/Mul/Add on the raw inputs (scalers' statistics); pass ``weights=`` to train those
+    feature-wise Sub/Div/Mul/Add on the raw inputs (scalers' statistics) when weights follow them; pass ``weights=`` to train those
     (see docs/modes.md).
 
     >>> from onnxopt.examples import linear_regression
