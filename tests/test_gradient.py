@@ -275,3 +275,23 @@ def test_float64_concat_matches_finite_differences(rng):
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=10)
     assert sorted(onnxopt.train_initializers(model)) == ["W"]
     _check_weight_gradients(model, rng.normal(size=(6, 3)), rng)
+
+
+def test_missing_gradient_kernel_names_the_forward_node():
+    """A linear Resize of unknown spatial size is not rewritten (its interpolation matrix needs the size), and
+    onnxruntime-training has no CPU ResizeGrad: the Runner's error names the Resize node, not ORT's grad node."""
+    nodes = [oh.make_node("Conv", ["X", "W"], ["c"], name="conv"),
+             oh.make_node("Resize", ["c", "", "scales"], ["r"], name="up", mode="linear"),
+             oh.make_node("ReduceMean", ["r", "axes"], ["Y"], keepdims=0, name="pool")]
+    graph = oh.make_graph(
+        nodes, "up", [oh.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 1, "H", "W"])],
+        [oh.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 2])],
+        [numpy_helper.from_array(np.ones((2, 1, 3, 3), np.float32), "W"),
+         numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+         numpy_helper.from_array(np.array([2, 3], np.int64), "axes")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=10)
+    step = onnxopt.compile_train_step(model, loss="square")
+    with pytest.raises(onnxopt.NotDifferentiableError) as info:
+        onnxopt.Runner(step)
+    assert info.value.nodes == [("Resize", "up")]
+    assert "ResizeGrad" in str(info.value) and "'up'" in str(info.value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import os
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -22,7 +23,7 @@ import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
 from onnxopt.data import as_array
-from onnxopt.errors import CheckpointError, ConvergenceError, DataError
+from onnxopt.errors import CheckpointError, ConvergenceError, DataError, NotDifferentiableError
 from onnxopt.passes.batch import drop_same_shape_reshapes, hoist, shaped_target
 from onnxopt.passes.update import PACK_WEIGHTS, flat_carry
 from onnxopt.step import NEW, STEP, TrainStep
@@ -111,6 +112,22 @@ def cpu_model(step: TrainStep) -> CpuModel:
                     target_shape)
 
 
+_NO_KERNEL = re.compile(r"Could not find an implementation for (\w+)\(\d+\) node with name '(([^']*?)_Grad/[^']*)'")
+
+
+def _missing_kernel(exc: Exception, model: onnx.ModelProto, device: str) -> NotDifferentiableError | None:
+    """onnxruntime's "no implementation" for a gradient node, as an error naming the forward op and node."""
+    found = _NO_KERNEL.search(str(exc))
+    if found is None:
+        return None
+    grad_op, grad_node, name = found.groups()
+    op = next((n.op_type for n in model.graph.node if n.name == name), "?")
+    return NotDifferentiableError(
+        f"{op} node {name!r}: onnxruntime-training has no {device} kernel for its gradient {grad_op} (node "
+        f"{grad_node!r}); onnxopt rewrites {op} into differentiable ops only in the forms docs/ops.md lists "
+        f"(for Resize: constant scales or sizes on static axes), change the model to one of them", [(op, name)])
+
+
 class Runner:
     """Runs ``step`` (a ``TrainStep`` or a path to one) on ``device`` ("cpu" or "cuda").
 
@@ -142,7 +159,10 @@ class Runner:
             side_opts = ort.SessionOptions()
             side_opts.intra_op_num_threads, side_opts.log_severity_level = 1, 4
             self._side = ort.InferenceSession(cpu.side, side_opts, providers=["CPUExecutionProvider"])
-        self.session = ort.InferenceSession(_without_values(model, initial), opts, providers=providers)
+        try:
+            self.session = ort.InferenceSession(_without_values(model, initial), opts, providers=providers)
+        except Exception as exc:
+            raise _missing_kernel(exc, self.train_step.model, device) or exc
         # NOTE: as the step declares them (the session's target and sample weights may be specialized, cpu_model)
         self._input_types = {i.name: i.type.tensor_type for i in self.train_step.model.graph.input}
         self._carried = [*self.train_step.weights, *self.train_step.buffers, *self.train_step.state]
