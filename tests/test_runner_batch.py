@@ -79,3 +79,31 @@ def test_a_target_of_the_wrong_size_is_a_data_error_naming_y(data):
         runner.step(X[:10], y[:10], sample_weight=np.ones(9, np.float32))
     assert runner.step_count == 0
     assert np.isfinite(runner.step(X[:10], y[:10]))
+
+
+def test_large_relu_gradients_become_masked_products_bit_for_bit(rng):
+    """ReluGrad that a batch makes large (passes/batch.py LARGE_RELU_GRAD) runs as dy · Cast(y > 0): same
+    losses and weights as step.model (the builder's ReluGrad) run by a plain session, with half the units dead."""
+    from onnxopt.passes.batch import LARGE_RELU_GRAD
+
+    width, batch = 256, 64
+    assert width * batch >= LARGE_RELU_GRAD > width * 4
+    step = onnxopt.compile_train_step(mlp([8, width, width, 1], activation="Relu", seed=3), loss="square",
+                                      learning_rate=0.01)
+    assert collections.Counter(n.op_type for n in step.model.graph.node)["ReluGrad"] == 2  # NOTE: the step keeps them
+    small = collections.Counter(n.op_type for n in cpu_model(step, batch_size=4).model.graph.node)
+    assert small["ReluGrad"] == 2 and small["Greater"] == 0
+    large = collections.Counter(n.op_type for n in cpu_model(step, batch_size=batch).model.graph.node)
+    assert large["ReluGrad"] == 0 and large["Greater"] == large["Cast"] == 2
+    runner = onnxopt.Runner(step, batch_size=batch)
+    X = rng.normal(size=(batch, 8)).astype(np.float32)
+    y = rng.normal(size=batch).astype(np.float32)
+    weights = step.initial_weights()
+    hidden = np.maximum(X @ weights[next(n for n in step.weights if weights[n].shape == (8, width))], 0)
+    assert 0.2 < (hidden == 0).mean() < 0.8  # NOTE: a random mask, the case the rewrite is for
+    for k in range(4):
+        ref = run_once(step, X, y, weights=weights, step_count=k)
+        assert runner.step(X, y) == ref["loss"]
+        weights = {n: ref[n + ".new"] for n in step.weights}
+    for name, value in runner.get_weights().items():
+        np.testing.assert_array_equal(value, weights[name], err_msg=name)

@@ -24,7 +24,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from onnxopt.data import as_array
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError, NotDifferentiableError
-from onnxopt.passes.batch import drop_same_shape_reshapes, hoist, shaped_target
+from onnxopt.passes.batch import drop_same_shape_reshapes, hoist, masked_relu_grads, shaped_target
 from onnxopt.passes.update import PACK_WEIGHTS, flat_carry
 from onnxopt.step import NEW, STEP, TrainStep
 
@@ -77,11 +77,12 @@ class CpuModel(NamedTuple):
     target_shape: tuple[int, ...] | None  # NOTE: the target is fed as (rows, *target_shape)
 
 
-def cpu_model(step: TrainStep) -> CpuModel:
+def cpu_model(step: TrainStep, batch_size: int = 32) -> CpuModel:
     """``step.model`` with the packs as inputs and outputs (``flat_carry``), the values computed from the sample
     weights alone as inputs (``hoist``: the Runner computes them once per batch length when none are given;
     ``weighted`` keeps them for batches with sample weights) and the target shaped like the prediction
-    (``shaped_target``); their reshapes then go."""
+    (``shaped_target``); their reshapes then go. ``ReluGrad`` nodes that ``batch_size`` rows make large become
+    ``dy · Cast(y > 0)`` (``masked_relu_grads``)."""
     model = ir.from_proto(step.model)
     for name in [*step.weights, *step.buffers]:  # NOTE: always bound: the copies made below need not hold them
         model.graph.initializers.pop(name, None)
@@ -107,7 +108,8 @@ def cpu_model(step: TrainStep) -> CpuModel:
             next(v for v in model.graph.inputs if v.name == name).shape = ir.Shape(dims)
     if found is not None or target_shape is not None:
         drop_same_shape_reshapes(model)
-    changed = packs or found is not None or target_shape is not None
+    masked = masked_relu_grads(model, batch_size)
+    changed = packs or found is not None or target_shape is not None or masked
     return CpuModel(ir.to_proto(model) if changed else step.model, packs, side, hoisted, weighted, kept,
                     target_shape)
 
@@ -149,7 +151,7 @@ class Runner:
         opts = session_options or default_session_options(sum(a.size for a in initial.values()), batch_size)
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         # NOTE: packs are host buffers whose members are bound as numpy views, hoisted values host arrays (CPU only)
-        cpu = cpu_model(self.train_step) if device == "cpu" else None
+        cpu = cpu_model(self.train_step, batch_size) if device == "cpu" else None
         model, self._packs = (cpu.model, cpu.packs) if cpu else (self.train_step.model, {})
         self._side, self._weighted, self._opts = None, cpu.weighted if cpu else None, opts
         self._hoisted, self._w_kept, self._y_shape = \

@@ -68,7 +68,7 @@ class Onnxopt(Competitor):
         step = onnxopt.compile_train_step(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update),
                                           learning_rate=wl.lr)
         # NOTE: counted before the memory baseline: the counting session's memory is not the runner's
-        self.nodes = ort_kernels(runner_model(step), wl.threads)
+        self.nodes = ort_kernels(runner_model(step, wl.batch), wl.threads)
         self.rss_before = rss()  # NOTE: the runner's memory is measured from here, after compiling
         self.runner = onnxopt.Runner(step, batch_size=wl.batch)
         # NOTE: use the runner's deferred-loss path when it has one (losses read once per epoch)
@@ -94,11 +94,11 @@ class Onnxopt(Competitor):
         return self.runner.get_weights()
 
 
-def runner_model(step) -> onnx.ModelProto:
+def runner_model(step, batch_size: int = 32) -> onnx.ModelProto:
     """The model the Runner runs on CPU (``runner.cpu_model``: packs bound, the loss's batch bookkeeping out)."""
     from onnxopt.runner import cpu_model
 
-    return cpu_model(step).model
+    return cpu_model(step, batch_size).model
 
 
 def _onnxopt_update(update: str):

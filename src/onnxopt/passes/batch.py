@@ -3,16 +3,26 @@
 - ``hoist``: values computed from one input alone (the sample weights' ``w / Σw``) become inputs, which the
   Runner computes once per batch length when no sample weights are given;
 - ``shaped_target``: the target is fed shaped like the prediction, so ``Reshape(target, Shape(y))`` goes;
-- ``drop_same_shape_reshapes``: ``Reshape(x, Shape(y))`` where shape inference proves ``x`` has ``y``'s shape.
+- ``drop_same_shape_reshapes``: ``Reshape(x, Shape(y))`` where shape inference proves ``x`` has ``y``'s shape;
+- ``masked_relu_grads``: ``ReluGrad`` as ``dy · Cast(y > 0)`` where a batch makes it large.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
-__all__ = ["hoist", "shaped_target", "drop_same_shape_reshapes"]
+__all__ = ["hoist", "shaped_target", "drop_same_shape_reshapes", "masked_relu_grads"]
+
+# NOTE: onnxruntime-training's CPU ReluGrad branches per element: once half the units are dead (a random mask)
+# it costs ~5 ns an element against ~1 ns for Greater + Cast + Mul, whose two more launches cost ~1 µs; measured
+# on 2 cores, the three kernels win from about 6k elements (64x100: 7.5 against 8.4 µs; 4096x50: 0.21 against
+# 1.1 ms) and lose below (15x50: 3.9 against 2.8 µs)
+LARGE_RELU_GRAD = 8192
 
 
 # NOTE: a value computed once must be the same at every step
@@ -103,3 +113,31 @@ def drop_same_shape_reshapes(model: ir.Model) -> int:
         dropped += 1
     common.RemoveUnusedNodesPass()(model)
     return dropped
+
+
+def masked_relu_grads(model: ir.Model, batch_size: int) -> int:
+    """Rewrites ``com.microsoft::ReluGrad(dy, y)`` as ``dy · Cast(y > 0)`` where ``batch_size`` rows of ``y``
+    hold at least ``LARGE_RELU_GRAD`` elements (the same values, but a masked NaN of dy stays NaN); returns how
+    many."""
+    done = 0
+    for node in list(model.graph):
+        if node.op_type != "ReluGrad" or node.domain != "com.microsoft":
+            continue
+        dy, y = node.inputs
+        dims = list(y.shape) if y.shape is not None else []
+        if y.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or not dims \
+                or not all(isinstance(d, int) for d in dims[1:]):
+            continue
+        rows = dims[0] if isinstance(dims[0], int) else batch_size
+        if rows * math.prod(dims[1:]) < LARGE_RELU_GRAD:
+            continue
+        tape = ir.tape.Tape()
+        zero = tape.op("Constant", [], {"value": ir.tensor(np.array(0, y.dtype.numpy()))})
+        mask = tape.op("Cast", [tape.op("Greater", [y, zero])], {"to": y.dtype})
+        out = tape.op("Mul", [dy, mask])
+        model.graph.insert_before(node, tape.nodes)
+        out.type, out.shape = node.outputs[0].type, node.outputs[0].shape
+        ir.convenience.replace_all_uses_with(node.outputs[0], out, replace_graph_outputs=True)
+        model.graph.remove(node, safe=True)
+        done += 1
+    return done
