@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import os
+import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -232,10 +232,17 @@ class Runner:
         return binding
 
     # -- training ----------------------------------------------------------------------------------------
-    def _value(self, arr, dtype, name: str) -> tuple[C.OrtValue, np.ndarray]:
-        """An OrtValue over ``arr`` and the array it reads (no copy on CPU for a C-contiguous array of the dtype)."""
+    @staticmethod
+    def _array(arr, dtype, name: str) -> np.ndarray:
+        """``arr`` itself when it is a C-contiguous array of ``dtype`` (the common case, checked first), else
+        ``as_array``'s checked conversion."""
         if type(arr) is not np.ndarray or arr.dtype != dtype or not arr.flags.c_contiguous:
             arr = as_array(arr, dtype, name)
+        return arr
+
+    def _value(self, arr, dtype, name: str) -> tuple[C.OrtValue, np.ndarray]:
+        """An OrtValue over ``arr`` and the array it reads (no copy on CPU for a C-contiguous array of the dtype)."""
+        arr = self._array(arr, dtype, name)
         return C.OrtValue.ortvalue_from_numpy(arr, self._device), arr
 
     def _weight_values(self, w: np.ndarray) -> tuple[list[tuple[str, C.OrtValue]], list[np.ndarray]]:
@@ -272,9 +279,7 @@ class Runner:
         if self._y_name is not None:
             if y is None:
                 raise DataError(f"y: the compiled loss needs targets for {self._y_name!r}, got None")
-            arr = y
-            if type(arr) is not np.ndarray or arr.dtype != self._y_dtype or not arr.flags.c_contiguous:
-                arr = as_array(arr, self._y_dtype, "y")
+            arr = self._array(y, self._y_dtype, "y")
             if arr.shape[:1] != X.shape[:1]:  # NOTE: the loss reshapes targets like the prediction: check rows
                 raise self._data_error([*keep, arr], f"y: expected one row per sample of X, got shape {arr.shape}")
             if self._y_shape is not None and arr.shape[1:] != self._y_shape:  # NOTE: fed shaped (cpu_model)
