@@ -238,11 +238,12 @@ def _model(dtype, weights: dict):
 
 
 def _trainer_data_is_valid(x, y, sw) -> bool:
-    """The Trainer contract: finite X (n, 3), n >= 1; finite y (n,) or (n, 1); sample_weight finite, >= 0, not all 0."""
+    """The Trainer contract: finite X (n, 3), n >= 1; finite y (n,) or (n, 1); sample_weight (n,) or (n, 1) (as
+    onnxcustom took them, docs/migration.md), finite, >= 0, not all 0."""
     if x is None or y is None or sw is None or x.ndim != 2 or x.shape[1] != N_FEATURES or x.shape[0] == 0:
         return False
     n = x.shape[0]
-    return (y.shape in ((n,), (n, 1)) and sw.shape == (n,) and np.isfinite(x).all() and np.isfinite(y).all()
+    return (y.shape in ((n,), (n, 1)) and sw.shape in ((n,), (n, 1)) and np.isfinite(x).all() and np.isfinite(y).all()
             and np.isfinite(sw).all() and (sw >= 0).all() and sw.any())
 
 
@@ -299,7 +300,7 @@ def test_trainer_fit_gives_finite_numpy_weights_or_an_onnxopt_error(data):
     n = x_ref.shape[0]
     assert any("clipped" in str(w.message) for w in caught) == (batch_size > n)
     batch = min(int(batch_size), n)
-    losses, ref_w, err, safe, failure = _reference_fit(w0, x_ref, y_ref, sw_ref, batch, max_iter, dtype)
+    losses, ref_w, err, safe, failure = _reference_fit(w0, x_ref, y_ref, sw_ref.reshape(n), batch, max_iter, dtype)
     weights = est.runner_.get_weights()
     if not safe or shuffle and n > batch:
         # NOTE: another order of the samples, or overflow close to the float limit: either outcome, but clean
