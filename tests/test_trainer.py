@@ -208,22 +208,28 @@ def test_checkpoint_resume_equals_uninterrupted_run(data, tmp_path):
     _assert_same_weights(resumed.runner_.get_state(), full.runner_.get_state())
 
 
-def test_interrupted_run_resumes_from_its_last_epoch(data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_interrupted_run_resumes_from_its_last_epoch(data, tmp_path, monkeypatch, weighted):
     X, y = data
-    calls, original = [], onnxopt.Runner.step
+    sw = np.linspace(0.5, 1.5, len(X)).astype(np.float32) if weighted else None
+    # NOTE: Ctrl-C in epoch 3: after its run (Runner.epoch) or in its 5th step (sample weights: one step per
+    # batch); its completed steps are not in the checkpoint
+    method, at = ("step", 21) if weighted else ("epoch", 3)
+    calls, original = [], getattr(onnxopt.Runner, method)
 
     def interrupted(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 21:  # NOTE: Ctrl-C in epoch 3: its 4 completed steps are not in the checkpoint
+        out = original(self, *args, **kwargs) if method == "epoch" else None
+        if len(calls) == at:
             raise KeyboardInterrupt
-        return original(self, *args, **kwargs)
+        return out if method == "epoch" else original(self, *args, **kwargs)
 
-    monkeypatch.setattr(onnxopt.Runner, "step", interrupted)
+    monkeypatch.setattr(onnxopt.Runner, method, interrupted)
     with pytest.warns(UserWarning, match="fit interrupted at epoch 3"):
-        _trainer(max_iter=5, checkpoint_dir=tmp_path).fit(X, y)
+        _trainer(max_iter=5, checkpoint_dir=tmp_path).fit(X, y, sample_weight=sw)
     monkeypatch.undo()
-    resumed = _trainer(max_iter=5, checkpoint_dir=tmp_path).fit(X, y)
-    full = _trainer(max_iter=5).fit(X, y)
+    resumed = _trainer(max_iter=5, checkpoint_dir=tmp_path).fit(X, y, sample_weight=sw)
+    full = _trainer(max_iter=5).fit(X, y, sample_weight=sw)
     assert resumed.train_losses_ == full.train_losses_ and resumed.runner_.step_count == 40
     _assert_same_weights(resumed.runner_.get_weights(), full.runner_.get_weights())
 
@@ -406,29 +412,34 @@ def test_partial_fit_classes_lists_labels_the_first_batch_lacks(data):
 
 
 # -- 8. KeyboardInterrupt ----------------------------------------------------------------------------------
-def test_keyboard_interrupt_returns_a_usable_estimator(data, monkeypatch):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_keyboard_interrupt_returns_a_usable_estimator(data, monkeypatch, weighted):
     X, y = data
-    calls, original = [], onnxopt.Runner.step
+    # NOTE: Ctrl-C in epoch 2: in its 4th step (sample weights: one step per batch, 11 steps completed) or
+    # before its run (Runner.epoch: the full batches of an epoch are one run, 8 steps completed)
+    sw = np.ones(len(X), np.float32) if weighted else None
+    method, at, done = ("step", 12, 11) if weighted else ("epoch", 2, 8)
+    calls, original = [], getattr(onnxopt.Runner, method)
 
     def interrupted(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 12:  # NOTE: Ctrl-C during the 12th step: 11 steps completed, 4th of epoch 2 lost
+        if len(calls) == at:
             raise KeyboardInterrupt
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(onnxopt.Runner, "step", interrupted)
+    monkeypatch.setattr(onnxopt.Runner, method, interrupted)
     est = _trainer(update="momentum", shuffle=False, max_iter=5)
-    with pytest.warns(UserWarning, match=r"fit interrupted at epoch 2; .*last completed step \(11\)"):
-        assert est.fit(X, y) is est
+    with pytest.warns(UserWarning, match=rf"fit interrupted at epoch 2; .*last completed step \({done}\)"):
+        assert est.fit(X, y, sample_weight=sw) is est
     monkeypatch.undo()
-    assert est.runner_.step_count == 11 and est.n_iter_ == 1 and len(est.train_losses_) == 1
-    replay = _replay(est, X, y, 11, 8)
+    assert est.runner_.step_count == done and est.n_iter_ == 1 and len(est.train_losses_) == 1
+    replay = _replay(est, X, y, done, 8)
     _assert_same_weights(est.runner_.get_weights(), replay.get_weights())
     _assert_same_weights(est.runner_.get_state(), replay.get_state())
     pred = session(est.trained_model_).run(None, {"X": X})[0][:, 0]
     np.testing.assert_allclose(est.predict(X), pred, rtol=1e-6, atol=1e-6)
     est.set_params(warm_start=True, max_iter=2).fit(X, y)  # training goes on from there
-    assert est.n_iter_ == 3 and est.runner_.step_count == 27 and len(est.train_losses_) == 3
+    assert est.n_iter_ == 3 and est.runner_.step_count == done + 16 and len(est.train_losses_) == 3
 
 
 def test_a_batch_of_zero_sample_weight_is_skipped():

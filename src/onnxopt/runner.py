@@ -22,9 +22,10 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
-from onnxopt.data import as_array
+from onnxopt.data import as_array, check_batch_size
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError, NotDifferentiableError
 from onnxopt.passes.batch import drop_same_shape_reshapes, hoist, masked_relu_grads, shaped_target
+from onnxopt.passes.epoch import PREFIX, epoch_model, loopable
 from onnxopt.passes.update import PACK_WEIGHTS, flat_carry
 from onnxopt.step import NEW, STEP, TrainStep
 
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 _N_SETS = 3
 _HISTORY = 1024  # NOTE: deferred losses kept on the device before an automatic sync
 _HOST = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+# NOTE: parameters × batch below which a step does little work: one thread, and epochs as one Loop run (whose
+# second session would cost memory and save nothing on longer steps)
+SMALL_STEP = 1_000_000
 
 
 def default_session_options(n_parameters: int, batch_size: int = 32) -> ort.SessionOptions:
@@ -49,7 +53,7 @@ def default_session_options(n_parameters: int, batch_size: int = 32) -> ort.Sess
     opts.log_severity_level = 4
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    if n_parameters * batch_size < 1_000_000:
+    if n_parameters * batch_size < SMALL_STEP:
         opts.intra_op_num_threads = 1
         opts.inter_op_num_threads = 1
     return opts
@@ -148,7 +152,8 @@ class Runner:
         # NOTE: running statistics (mode="train") start from the model's values, like the weights
         initial = {**self.train_step.initial_weights(), **self.train_step.initial_buffers()}
         self.dtype = next(iter(initial.values())).dtype
-        opts = session_options or default_session_options(sum(a.size for a in initial.values()), batch_size)
+        self._size = sum(a.size for a in initial.values())
+        opts = session_options or default_session_options(self._size, batch_size)
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         # NOTE: packs are host buffers whose members are bound as numpy views, hoisted values host arrays (CPU only)
         cpu = cpu_model(self.train_step, batch_size) if device == "cpu" else None
@@ -161,8 +166,10 @@ class Runner:
             side_opts = ort.SessionOptions()
             side_opts.intra_op_num_threads, side_opts.log_severity_level = 1, 4
             self._side = ort.InferenceSession(cpu.side, side_opts, providers=["CPUExecutionProvider"])
+        stripped, self.batch_size, self._epoch = _without_values(model, initial), batch_size, None
+        self._cpu = stripped if cpu and loopable(model) else None  # NOTE: the epoch model's body, made when used
         try:
-            self.session = ort.InferenceSession(_without_values(model, initial), opts, providers=providers)
+            self.session = ort.InferenceSession(stripped, opts, providers=providers)
         except Exception as exc:
             raise _missing_kernel(exc, self.train_step.model, device) or exc
         # NOTE: as the step declares them (the session's target and sample weights may be specialized, cpu_model)
@@ -277,16 +284,7 @@ class Runner:
         raw.bind_ortvalue_input(self._x_name, xv)
         keep = [X]  # NOTE: OrtValues over numpy memory do not own it: keep the arrays alive until the run ends
         if self._y_name is not None:
-            if y is None:
-                raise DataError(f"y: the compiled loss needs targets for {self._y_name!r}, got None")
-            arr = self._array(y, self._y_dtype, "y")
-            if arr.shape[:1] != X.shape[:1]:  # NOTE: the loss reshapes targets like the prediction: check rows
-                raise self._data_error([*keep, arr], f"y: expected one row per sample of X, got shape {arr.shape}")
-            if self._y_shape is not None and arr.shape[1:] != self._y_shape:  # NOTE: fed shaped (cpu_model)
-                if arr.size != X.shape[0] * math.prod(self._y_shape):
-                    raise self._data_error([*keep, arr], f"y: expected {math.prod(self._y_shape)} value(s) per "
-                                           f"sample (the prediction's shape {self._y_shape}), got shape {arr.shape}")
-                arr = arr.reshape(self._y_rows)
+            arr = self._target(y, X)
             raw.bind_ortvalue_input(self._y_name, C.OrtValue.ortvalue_from_numpy(arr, self._device))
             keep.append(arr)
         if self._w_name is not None:
@@ -302,10 +300,7 @@ class Runner:
                 keep.append(ones[1][0])
             else:
                 self._bound_ones[self._current] = None
-                arr = as_array(sample_weight, self.dtype, "sample_weight")
-                if arr.shape != X.shape[:1]:  # NOTE: the loss broadcasts weights: (1,) or (n, 1) would run
-                    raise self._data_error([*keep, arr], f"sample_weight: expected shape {X.shape[:1]} (one weight "
-                                           f"per sample of X), got {arr.shape}")
+                arr = self._sample_weight(sample_weight, keep)
                 raw.bind_ortvalue_input(self._w_name, C.OrtValue.ortvalue_from_numpy(arr, self._device))
                 keep.append(arr)
         elif sample_weight is not None:
@@ -337,6 +332,98 @@ class Runner:
         self._current = (self._current + 1) % _N_SETS
         self._previous_valid = True
         return loss
+
+    def _target(self, y, X: np.ndarray) -> np.ndarray:
+        """``y`` checked against the batch ``X`` and shaped as the session reads it."""
+        if y is None:
+            raise DataError(f"y: the compiled loss needs targets for {self._y_name!r}, got None")
+        arr = self._array(y, self._y_dtype, "y")
+        if arr.shape[:1] != X.shape[:1]:  # NOTE: the loss reshapes targets like the prediction: check rows
+            raise self._data_error([X, arr], f"y: expected one row per sample of X, got shape {arr.shape}")
+        if self._y_shape is not None and arr.shape[1:] != self._y_shape:  # NOTE: fed shaped (cpu_model)
+            if arr.size != X.shape[0] * math.prod(self._y_shape):
+                raise self._data_error([X, arr], f"y: expected {math.prod(self._y_shape)} value(s) per "
+                                       f"sample (the prediction's shape {self._y_shape}), got shape {arr.shape}")
+            arr = arr.reshape(self._y_rows)
+        return arr
+
+    def epoch(self, X, y=None, sample_weight=None, batch_size: int | None = None) -> np.ndarray:
+        """``step`` over the batches of ``X`` in order, ``batch_size`` rows each (the Runner's ``batch_size`` by
+        default; the last may be shorter); returns their losses.
+
+        On CPU, for small steps (parameters × batch below ``SMALL_STEP``, where a run's fixed costs weigh), the
+        batches but the last run in one session run, the step inside an ONNX ``Loop`` (``passes.epoch``): the
+        numbers of one ``step`` per batch, bit for bit, without a run, binds and Python per batch. A NaN or
+        infinite loss or weight replays them with ``step`` from the epoch's first weights, so the error raised
+        (ConvergenceError, naming the batch) and the weights kept are always ``step``'s.
+        """
+        X = self._array(X, self.x_dtype, "X")
+        n = X.shape[0] if X.ndim else 0
+        batch = check_batch_size(self.batch_size if batch_size is None else batch_size, max(n, 1))
+        part = lambda a, i, j: None if a is None else a[i:j]  # noqa: E731
+        # NOTE: checked whole before any step runs: a bad last batch must not leave the epoch half trained
+        y = self._target(y, X) if self._y_name is not None else y
+        if sample_weight is not None:
+            sample_weight = self._sample_weight(sample_weight, [X, y])
+        # NOTE: the last batch runs as a step: the set before it then holds its inputs, which gave the last
+        # finite loss if it diverges (a Loop keeps only its first inputs and last outputs)
+        full = (n - 1) // batch if self._cpu is not None and sample_weight is None and self._y_name is not None \
+            and self.train_step.output_grad is None and self._size * batch < SMALL_STEP else 0
+        losses = self._loop(X[:full * batch], y[:full * batch], full, batch) if full > 1 else []
+        for k, start in enumerate(range(len(losses) * batch, n, batch), len(losses) + 1):
+            try:
+                losses.append(self.step(X[start:start + batch], part(y, start, start + batch),
+                                        part(sample_weight, start, start + batch)))
+            except ConvergenceError as exc:
+                raise ConvergenceError(f"batch {k}: {exc}") from exc
+        return np.asarray(losses, np.float64)
+
+    def _sample_weight(self, sample_weight, arrays: list) -> np.ndarray:
+        arr = as_array(sample_weight, self.dtype, "sample_weight")
+        if arr.shape != arrays[0].shape[:1]:  # NOTE: the loss broadcasts weights: (1,) or (n, 1) would run
+            raise self._data_error([*arrays, arr], f"sample_weight: expected shape {arrays[0].shape[:1]} (one "
+                                   f"weight per sample of X), got {arr.shape}")
+        return arr
+
+    def _epoch_session(self) -> tuple[C.InferenceSession, list]:
+        """The session of the epoch model (``passes.epoch``) and its bindings, one per buffer set (made once)."""
+        if self._epoch is None:
+            views = (PACK_WEIGHTS, [(m, tuple(self._sets[0][m].shape())) for m in self._views]) if self._views else None
+            self._epoch_model = epoch_model(onnx.load_from_string(self._cpu), [self._x_name, self._y_name], self._bound,
+                                           views, self.train_step.loss)
+            session = ort.InferenceSession(self._epoch_model.SerializeToString(), self._opts,
+                                           providers=["CPUExecutionProvider"])
+            self._epoch = (session._sess, [session.io_binding()._iobinding for _ in range(_N_SETS)])
+            for k, raw in enumerate(self._epoch[1]):
+                for name in self._bound:
+                    raw.bind_ortvalue_input(PREFIX + name, self._sets[k][name]._ortvalue)
+                    raw.bind_ortvalue_output(PREFIX + name + NEW, self._sets[(k + 1) % _N_SETS][name]._ortvalue)
+        return self._epoch
+
+    def _loop(self, X: np.ndarray, y: np.ndarray, steps: int, batch: int) -> list[float]:
+        """Losses of ``steps`` batches of ``batch`` rows run as one Loop; none, weights unchanged, on a NaN."""
+        if self._pending:
+            self._synced = [self.sync()]
+        sess, raws = self._epoch_session()
+        raw, first, valid = raws[self._current], self._current, self._previous_valid
+        keep = [X.reshape(steps, batch, *X.shape[1:]), y.reshape(steps, batch, *y.shape[1:]),
+                np.array(steps, np.int64), np.empty(steps, self.dtype)]
+        for name, arr in zip((self._x_name, self._y_name, "steps"), keep):
+            raw.bind_ortvalue_input(PREFIX + name, C.OrtValue.ortvalue_from_numpy(arr, self._device))
+        raw.bind_ortvalue_output(PREFIX + "losses", C.OrtValue.ortvalue_from_numpy(keep[3], self._device))
+        if self._w_name is not None:
+            if batch not in self._ones:
+                self._ones[batch] = self._weight_values(np.ones(batch, self.dtype))
+            for name, value in self._ones[batch][0]:
+                raw.bind_ortvalue_input(name, value)
+        self._run(sess, raw, [X, y])
+        self.n_runs += 1
+        self._current, self._previous_valid = (first + 1) % _N_SETS, False
+        new = self._sets[self._current]
+        if np.isfinite(keep[3]).all() and all(np.isfinite(new[n].numpy()).all() for n in self._bound):
+            return keep[3].tolist()
+        self._current, self._previous_valid = first, valid  # NOTE: epoch() replays the batches with step
+        return []
 
     def _run(self, sess, raw, keep) -> None:
         """One run of ``sess`` with binding ``raw``; ORT's shape/type errors become a DataError naming the batch."""

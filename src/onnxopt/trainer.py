@@ -292,13 +292,20 @@ class Trainer:
             y = y[order] if y is not None else None
             sw = sw[order] if sw is not None else None
         step, total, show = self.runner_.step, 0.0, self.verbose > 0
-        for k, start in enumerate(range(0, n, batch)):
+        if sw is None:  # NOTE: the same steps, the full batches of a small model in one run (Runner.epoch)
+            try:
+                losses = self.runner_.epoch(X, y, batch_size=batch).tolist()
+            except ConvergenceError as exc:
+                raise ConvergenceError(f"epoch {self.n_iter_ + 1}, {exc}") from exc
+            for k, loss in enumerate(losses):
+                total += loss * ((min(k * batch + batch, n) - k * batch) / n)
+            bar.update(len(losses) if show else 0)
+        for k, start in enumerate(range(0, n, batch) if sw is not None else []):
             stop = start + batch
-            if sw is not None and not sw[start:stop].any():  # NOTE: a batch of zero weight teaches nothing (0/0)
+            if not sw[start:stop].any():  # NOTE: a batch of zero weight teaches nothing (0/0)
                 continue
             try:
-                loss = step(X[start:stop], y[start:stop] if y is not None else None,
-                            sw[start:stop] if sw is not None else None)
+                loss = step(X[start:stop], y[start:stop] if y is not None else None, sw[start:stop])
             except ConvergenceError as exc:
                 raise ConvergenceError(f"epoch {self.n_iter_ + 1}, batch {k + 1}: {exc}") from exc
             total += loss * ((min(stop, n) - start) / n)  # NOTE: loss * n_batch alone can overflow near 1e308
@@ -307,7 +314,7 @@ class Trainer:
         try:  # NOTE: a finite last loss can still overflow its update; never save or return such weights
             self.runner_.check_weights()
         except ConvergenceError as exc:
-            raise ConvergenceError(f"epoch {self.n_iter_ + 1}, batch {k + 1}: {exc}") from exc
+            raise ConvergenceError(f"epoch {self.n_iter_ + 1}, batch {-(-n // batch)}: {exc}") from exc
         return total
 
     def _split(self, X, y, sw):

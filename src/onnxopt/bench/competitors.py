@@ -26,7 +26,8 @@ class Skipped(Exception):
 
 
 def ort_kernels(model: onnx.ModelProto | str, threads: int = 1) -> int:
-    """Nodes ORT runs for ``model`` after its graph optimizations (ORT_ENABLE_ALL): kernels per run."""
+    """Nodes ORT runs for ``model`` after its graph optimizations (ORT_ENABLE_ALL): kernels per run, or per
+    iteration for a model that is one ``Loop`` (an epoch, ``Runner.epoch``)."""
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as d:
@@ -36,7 +37,8 @@ def ort_kernels(model: onnx.ModelProto | str, threads: int = 1) -> int:
         opts.optimized_model_filepath = os.path.join(d, "optimized.onnx")
         src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
         ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
-        return len(onnx.load(opts.optimized_model_filepath).graph.node)
+        nodes = onnx.load(opts.optimized_model_filepath).graph.node
+        return len(nodes[0].attribute[0].g.node if len(nodes) == 1 and nodes[0].op_type == "Loop" else nodes)
 
 
 class Competitor:
@@ -58,9 +60,11 @@ class Competitor:
 
 
 class Onnxopt(Competitor):
-    """onnxopt's fused step run by ``Runner``: one session run per step."""
+    """onnxopt's fused step run by ``Runner``: ``Runner.epoch`` (as ``Trainer`` trains: the batches of a small
+    model but the last in one session run, an ONNX Loop), else one ``step`` per batch."""
 
     name = "onnxopt"
+    per_step = False
 
     def setup(self, wl, X, y, weights):
         import onnxopt
@@ -71,16 +75,28 @@ class Onnxopt(Competitor):
         self.nodes = ort_kernels(runner_model(step, wl.batch), wl.threads)
         self.rss_before = rss()  # NOTE: the runner's memory is measured from here, after compiling
         self.runner = onnxopt.Runner(step, batch_size=wl.batch)
-        # NOTE: use the runner's deferred-loss path when it has one (losses read once per epoch)
-        params = inspect.signature(self.runner.step).parameters
-        self.deferred = "read_loss" in params and hasattr(self.runner, "sync")
-        self.note = "step(read_loss=False) + sync() per epoch" if self.deferred else "step() per batch"
+        self.X, self.y = X, y
+        self.looped = not self.per_step and hasattr(self.runner, "epoch")
+        if self.looped:
+            self.note = "epoch() per epoch: the batches but the last in one run (ONNX Loop), the last a step"
+            if self.runner._size * wl.batch < onnxopt.runner.SMALL_STEP:  # NOTE: per step: the Loop's body
+                self.runner._epoch_session()
+                self.nodes = ort_kernels(self.runner._epoch_model, wl.threads)
+            else:
+                self.note = "epoch(): one step per batch (a large step)"
+        else:
+            # NOTE: use the runner's deferred-loss path when it has one (losses read once per epoch)
+            params = inspect.signature(self.runner.step).parameters
+            self.deferred = "read_loss" in params and hasattr(self.runner, "sync")
+            self.note = "step(read_loss=False) + sync() per epoch" if self.deferred else "step() per batch"
         self._batches(X, y, wl.batch)
 
     def epoch(self):
         runner = self.runner
         before = getattr(runner, "n_runs", None)
-        if self.deferred:
+        if self.looped:
+            losses = runner.epoch(self.X, self.y).tolist()
+        elif self.deferred:
             for xb, yb in self.batches:
                 runner.step(xb, yb, read_loss=False)
             losses = list(runner.sync())
@@ -92,6 +108,13 @@ class Onnxopt(Competitor):
 
     def weights(self):
         return self.runner.get_weights()
+
+
+class OnnxoptStep(Onnxopt):
+    """The same Runner driven one ``step(read_loss=False)`` per batch, losses read once per epoch."""
+
+    name = "onnxopt step()"
+    per_step = True
 
 
 def runner_model(step, batch_size: int = 32) -> onnx.ModelProto:
@@ -309,4 +332,4 @@ class Sklearn(Competitor):
         return [self.est.loss_curve_[-1] * self.scale]
 
 
-COMPETITORS = [Onnxopt, TorchEager, TorchCompile, OrtTraining, Sklearn]
+COMPETITORS = [Onnxopt, OnnxoptStep, TorchEager, TorchCompile, OrtTraining, Sklearn]

@@ -7,5 +7,6 @@
   flat layout of them;
 - ``fuse_update``: rewrite rules folding the update into the kernels around it (SGD into the gradient Gemm).
 - ``kernels``: built-in update rules run by onnxruntime-training's optimizer kernels (non-portable steps);
-- ``batch``: the Runner's CPU model specialized for how it feeds a batch (targets, sample weights).
+- ``batch``: the Runner's CPU model specialized for how it feeds a batch (targets, sample weights);
+- ``epoch``: that model as the body of an ONNX Loop over an epoch's batches (``Runner.epoch``).
 """

@@ -16,7 +16,7 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
-__all__ = ["hoist", "shaped_target", "drop_same_shape_reshapes", "masked_relu_grads"]
+__all__ = ["RANDOM", "hoist", "shaped_target", "drop_same_shape_reshapes", "masked_relu_grads"]
 
 # NOTE: onnxruntime-training's CPU ReluGrad branches per element: once half the units are dead (a random mask)
 # it costs ~5 ns an element against ~1 ns for Greater + Cast + Mul, whose two more launches cost ~1 µs; measured
@@ -26,7 +26,8 @@ LARGE_RELU_GRAD = 8192
 
 
 # NOTE: a value computed once must be the same at every step
-_RANDOM = frozenset({"Bernoulli", "Dropout", "Multinomial", "RandomNormalLike", "RandomUniformLike"})
+RANDOM = frozenset({"Bernoulli", "Dropout", "Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform",
+                    "RandomUniformLike"})
 
 
 def _is_constant(value: ir.Value) -> bool:
@@ -42,7 +43,7 @@ def hoist(model: ir.Model, name: str) -> tuple[onnx.ModelProto, list[str]] | Non
     for node in g:  # NOTE: topologically sorted: a node's inputs are classified before it
         ins = [v for v in node.inputs if v is not None]
         if ins and any(v in pure for v in ins) and all(v in pure or _is_constant(v) for v in ins) \
-                and node.op_type not in _RANDOM and not any(
+                and node.op_type not in RANDOM and not any(
                     a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
             nodes.add(node)
             pure.update(node.outputs)
