@@ -166,7 +166,7 @@ class Runner:
             side_opts = ort.SessionOptions()
             side_opts.intra_op_num_threads, side_opts.log_severity_level = 1, 4
             self._side = ort.InferenceSession(cpu.side, side_opts, providers=["CPUExecutionProvider"])
-        stripped, self.batch_size, self._epoch = _without_values(model, initial), batch_size, None
+        stripped, self.batch_size, self._epoch, self._loop_io = _without_values(model, initial), batch_size, None, {}
         self._cpu = stripped if cpu and loopable(model) else None  # NOTE: the epoch model's body, made when used
         try:
             self.session = ort.InferenceSession(stripped, opts, providers=providers)
@@ -180,6 +180,7 @@ class Runner:
         self._bound = [*self._packs, *(n for n in self._carried if n not in members)]
         self._views = self._packs.get(PACK_WEIGHTS, [])
         self._flat: list[np.ndarray] = []  # NOTE: the packs' memory (their OrtValues and views do not own it)
+        self._hosts: list[list[np.ndarray]] = []
         self._sets = [self._zeros_like(initial) for _ in range(_N_SETS)]
         self.set_weights(initial, _all_sets=True)
         self._bindings = [self._bind(k) for k in range(_N_SETS)]
@@ -206,11 +207,12 @@ class Runner:
 
     # -- buffers -----------------------------------------------------------------------------------------
     def _zeros_like(self, initial: Mapping[str, np.ndarray]) -> dict[str, ort.OrtValue]:
-        out, members = {}, set()
+        out, members, hosts = {}, set(), []
         for pack, names in self._packs.items():  # NOTE: one flat buffer per pack, each member a view of it
             shapes = [initial[n if n in initial else n.rsplit(".", 1)[0]].shape for n in names]
             flat = np.zeros(sum(int(np.prod(sh)) for sh in shapes), self.dtype)
             self._flat.append(flat)
+            hosts.append(flat)
             out[pack] = ort.OrtValue.ortvalue_from_numpy(flat, self.device, 0)
             offset = 0
             for name, shape in zip(names, shapes):
@@ -225,7 +227,9 @@ class Runner:
                 arr = np.zeros((), np.int64)
             else:
                 arr = np.zeros_like(initial[name if name in initial else name.rsplit(".", 1)[0]])
+                hosts.append(arr)
             out[name] = ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
+        self._hosts.append(hosts)  # NOTE: on CPU the set's float buffers themselves (the OrtValues wrap them)
         return out
 
     def _bind(self, k: int, session: ort.InferenceSession | None = None) -> ort.IOBinding:
@@ -406,8 +410,9 @@ class Runner:
             self._synced = [self.sync()]
         sess, raws = self._epoch_session()
         raw, first, valid = raws[self._current], self._current, self._previous_valid
-        keep = [X.reshape(steps, batch, *X.shape[1:]), y.reshape(steps, batch, *y.shape[1:]),
-                np.array(steps, np.int64), np.empty(steps, self.dtype)]
+        if steps not in self._loop_io:  # NOTE: the step count and the losses' buffer, per epoch length
+            self._loop_io[steps] = np.array(steps, np.int64), np.empty(steps, self.dtype)
+        keep = [X.reshape(steps, batch, *X.shape[1:]), y.reshape(steps, batch, *y.shape[1:]), *self._loop_io[steps]]
         for name, arr in zip((self._x_name, self._y_name, "steps"), keep):
             raw.bind_ortvalue_input(PREFIX + name, C.OrtValue.ortvalue_from_numpy(arr, self._device))
         raw.bind_ortvalue_output(PREFIX + "losses", C.OrtValue.ortvalue_from_numpy(keep[3], self._device))
@@ -419,8 +424,7 @@ class Runner:
         self._run(sess, raw, [X, y])
         self.n_runs += 1
         self._current, self._previous_valid = (first + 1) % _N_SETS, False
-        new = self._sets[self._current]
-        if np.isfinite(keep[3]).all() and all(np.isfinite(new[n].numpy()).all() for n in self._bound):
+        if np.isfinite(keep[3]).all() and all(np.isfinite(a).all() for a in self._hosts[self._current]):
             return keep[3].tolist()
         self._current, self._previous_valid = first, valid  # NOTE: epoch() replays the batches with step
         return []
