@@ -38,7 +38,7 @@ def test_quick_run_writes_page_and_plot(quick_run):
     png = (img / "loss_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 150_000
     onnxopt, per_step = results["onnxopt"], results["onnxopt step()"]
-    assert onnxopt["session_runs"] == 0.2 and per_step["session_runs"] == 1  # NOTE: a Loop + the last step
+    assert onnxopt["session_runs"] == 0.1 and per_step["session_runs"] == 1  # NOTE: one Loop run an epoch
     assert onnxopt["losses"] == per_step["losses"]  # NOTE: Runner.epoch: the numbers of step(), bit for bit
     # 1 setup epoch + 2 rounds x (1 warm-up + 1 timed) epochs of 10 steps
     assert len(onnxopt["losses"]) == 5 * WORKLOADS["W2"].steps

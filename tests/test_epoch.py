@@ -1,6 +1,8 @@
 """Runner.epoch: the full batches of an epoch in one run of an ONNX Loop (passes/epoch.py). The reference is
 Runner.step once per batch: same losses, weights, state and step count, bit for bit, and the same errors."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -118,6 +120,25 @@ def test_diverging_epoch_stops_with_the_weights_of_the_last_finite_loss(data):
     with pytest.raises(ConvergenceError, match=r"^batch (\d+): loss became (nan|inf)") as got:
         looped.epoch(X, y)
     assert str(got.value).split(": ", 1)[1] == str(expected.value)
+    _assert_same(looped, stepped)
+
+
+@pytest.mark.parametrize("lr, failing", [(0.028, 9), (0.02, 34), (0.017, 45)])
+def test_divergence_after_whole_loop_epochs_goes_back_like_steps(rng, lr, failing):
+    """Epochs of 8 full batches are one Loop run each: a divergence in a later epoch (step 9 is the first
+    step after a Loop) goes back to the weights that gave the last finite loss, the Loop's last inputs."""
+    X = rng.normal(size=(64, 4)).astype(np.float32)
+    y = (X @ np.array([1.0, -2.0, 0.5, 0.0], np.float32)) * 30
+    looped, stepped = _pair(onnxopt.compile_train_step(mlp([4, 6, 1], seed=4), learning_rate=lr), batch_size=8)
+    for _ in range(10):
+        with pytest.raises(ConvergenceError) if failing <= stepped.step_count + 8 else contextlib.nullcontext() as expected:
+            _per_step(stepped, X, y, 8)
+        with pytest.raises(ConvergenceError) if expected is not None else contextlib.nullcontext() as got:
+            looped.epoch(X, y)
+        if expected is not None:
+            break
+    assert f"loss became inf at step {failing};" in str(expected.value)
+    assert str(got.value) == f"batch {(failing - 1) % 8 + 1}: {expected.value}"
     _assert_same(looped, stepped)
 
 

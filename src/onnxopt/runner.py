@@ -25,7 +25,7 @@ from onnxruntime.capi import _pybind_state as C
 from onnxopt.data import as_array, check_batch_size
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError, NotDifferentiableError
 from onnxopt.passes.batch import drop_same_shape_reshapes, hoist, masked_relu_grads, shaped_target
-from onnxopt.passes.epoch import PREFIX, epoch_model, loopable
+from onnxopt.passes.epoch import LAST, PREFIX, epoch_model, loopable
 from onnxopt.passes.update import PACK_WEIGHTS, flat_carry
 from onnxopt.step import NEW, STEP, TrainStep
 
@@ -227,9 +227,9 @@ class Runner:
                 arr = np.zeros((), np.int64)
             else:
                 arr = np.zeros_like(initial[name if name in initial else name.rsplit(".", 1)[0]])
-                hosts.append(arr)
+            hosts.append(arr)
             out[name] = ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
-        self._hosts.append(hosts)  # NOTE: on CPU the set's float buffers themselves (the OrtValues wrap them)
+        self._hosts.append(hosts)  # NOTE: on CPU the set's buffers themselves (the OrtValues wrap them)
         return out
 
     def _bind(self, k: int, session: ort.InferenceSession | None = None) -> ort.IOBinding:
@@ -356,9 +356,10 @@ class Runner:
         default; the last may be shorter); returns their losses.
 
         On CPU, for small steps (parameters × batch below ``SMALL_STEP``, where a run's fixed costs weigh), the
-        batches but the last run in one session run, the step inside an ONNX ``Loop`` (``passes.epoch``): the
-        numbers of one ``step`` per batch, bit for bit, without a run, binds and Python per batch. A NaN or
-        infinite loss or weight replays them with ``step`` from the epoch's first weights, so the error raised
+        full batches run in one session run, the step inside an ONNX ``Loop`` (``passes.epoch``): the numbers
+        of one ``step`` per batch, bit for bit, without a run, binds and Python per batch. The Loop leaves its
+        last step's inputs in the buffer set before the current one, as steps do; a NaN or infinite loss or
+        weight replays the batches with ``step`` from the epoch's first weights, so the error raised
         (ConvergenceError, naming the batch) and the weights kept are always ``step``'s.
         """
         X = self._array(X, self.x_dtype, "X")
@@ -369,9 +370,7 @@ class Runner:
         y = self._target(y, X) if self._y_name is not None else y
         if sample_weight is not None:
             sample_weight = self._sample_weight(sample_weight, [X, y])
-        # NOTE: the last batch runs as a step: the set before it then holds its inputs, which gave the last
-        # finite loss if it diverges (a Loop keeps only its first inputs and last outputs)
-        full = (n - 1) // batch if self._cpu is not None and sample_weight is None and self._y_name is not None \
+        full = n // batch if self._cpu is not None and sample_weight is None and self._y_name is not None \
             and self.train_step.output_grad is None and self._size * batch < SMALL_STEP else 0
         losses = self._loop(X[:full * batch], y[:full * batch], full, batch) if full > 1 else []
         for k, start in enumerate(range(len(losses) * batch, n, batch), len(losses) + 1):
@@ -398,10 +397,11 @@ class Runner:
             session = ort.InferenceSession(self._epoch_model.SerializeToString(), self._opts,
                                            providers=["CPUExecutionProvider"])
             self._epoch = (session._sess, [session.io_binding()._iobinding for _ in range(_N_SETS)])
-            for k, raw in enumerate(self._epoch[1]):
-                for name in self._bound:
+            for k, raw in enumerate(self._epoch[1]):  # NOTE: reads set k, ends with the last step's inputs in
+                for name in self._bound:  # set k + 1 and its outputs in set k + 2, as the steps would
                     raw.bind_ortvalue_input(PREFIX + name, self._sets[k][name]._ortvalue)
-                    raw.bind_ortvalue_output(PREFIX + name + NEW, self._sets[(k + 1) % _N_SETS][name]._ortvalue)
+                    raw.bind_ortvalue_output(PREFIX + name + LAST, self._sets[(k + 1) % _N_SETS][name]._ortvalue)
+                    raw.bind_ortvalue_output(PREFIX + name + NEW, self._sets[(k + 2) % _N_SETS][name]._ortvalue)
         return self._epoch
 
     def _loop(self, X: np.ndarray, y: np.ndarray, steps: int, batch: int) -> list[float]:
@@ -421,13 +421,21 @@ class Runner:
                 self._ones[batch] = self._weight_values(np.ones(batch, self.dtype))
             for name, value in self._ones[batch][0]:
                 raw.bind_ortvalue_input(name, value)
-        self._run(sess, raw, [X, y])
-        self.n_runs += 1
-        self._current, self._previous_valid = (first + 1) % _N_SETS, False
-        if np.isfinite(keep[3]).all() and all(np.isfinite(a).all() for a in self._hosts[self._current]):
-            return keep[3].tolist()
-        self._current, self._previous_valid = first, valid  # NOTE: epoch() replays the batches with step
-        return []
+        # NOTE: the Loop also writes the set before ``first`` (the last step's inputs): kept for a replay
+        before = self._hosts[(first - 1) % _N_SETS]
+        saved = [a.copy() for a in before] if valid else []
+        ok = False
+        try:
+            self._run(sess, raw, [X, y])
+            self.n_runs += 1
+            ok = np.isfinite(keep[3]).all() and all(np.isfinite(a).all() for a in self._hosts[(first + 2) % _N_SETS])
+        finally:
+            for a, b in zip(before, saved if not ok else []):  # NOTE: a refused batch, or a NaN: epoch() replays
+                np.copyto(a, b)  # the batches with step from the epoch's first weights, which stay current
+        if not ok:
+            return []
+        self._current, self._previous_valid = (first + 2) % _N_SETS, True
+        return keep[3].tolist()
 
     def _run(self, sess, raw, keep) -> None:
         """One run of ``sess`` with binding ``raw``; ORT's shape/type errors become a DataError naming the batch."""

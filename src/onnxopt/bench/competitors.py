@@ -61,7 +61,7 @@ class Competitor:
 
 class Onnxopt(Competitor):
     """onnxopt's fused step run by ``Runner``: ``Runner.epoch`` (as ``Trainer`` trains: the batches of a small
-    model but the last in one session run, an ONNX Loop), else one ``step`` per batch."""
+    model in one session run, an ONNX Loop), else one ``step`` per batch."""
 
     name = "onnxopt"
     per_step = False
@@ -78,7 +78,7 @@ class Onnxopt(Competitor):
         self.X, self.y = X, y
         self.looped = not self.per_step and hasattr(self.runner, "epoch")
         if self.looped:
-            self.note = "epoch() per epoch: the batches but the last in one run (ONNX Loop), the last a step"
+            self.note = "epoch() per epoch: its full batches in one run (ONNX Loop)"
             if self.runner._size * wl.batch < onnxopt.runner.SMALL_STEP:  # NOTE: per step: the Loop's body
                 self.runner._epoch_session()
                 self.nodes = ort_kernels(self.runner._epoch_model, wl.threads)

@@ -20,9 +20,10 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxopt.passes.batch import RANDOM
 from onnxopt.step import NEW
 
-__all__ = ["epoch_model", "loopable", "PREFIX"]
+__all__ = ["epoch_model", "loopable", "PREFIX", "LAST"]
 
 PREFIX = "epoch."  # NOTE: outer names differ from the body's: ONNX forbids a subgraph to shadow outer names
+LAST = ".last"
 
 
 def loopable(model: onnx.ModelProto) -> bool:
@@ -57,16 +58,23 @@ def epoch_model(model: onnx.ModelProto, batch_inputs: list[str], carried: list[s
         consts.append(numpy_helper.from_array(np.array(shape, np.int64), f"{PREFIX}{m}.shape"))
         nodes.append(helper.make_node("Reshape", [f"{PREFIX}{m}.flat", consts[-1].name], [m]))
     cond = helper.make_tensor_value_info(PREFIX + "cond", TensorProto.BOOL, [])
-    body = helper.make_graph(  # NOTE: the condition is passed through: every batch runs
+    # NOTE: the condition and each iteration's carried inputs are passed through (no copy: the same values):
+    # the Loop ends with the inputs of its last step in ``epoch.<carried>.last``, as a step keeps them
+    last = [_info(f"{PREFIX}{n}.previous", inputs[n]) for n in carried]
+    body = helper.make_graph(
         [*nodes, *g.node], "epoch_body",
-        [helper.make_tensor_value_info(PREFIX + "i", TensorProto.INT64, []), cond, *(inputs[n] for n in carried)],
-        [cond, *(outputs[n + NEW] for n in carried), outputs[loss]], [*g.initializer, *consts])
+        [helper.make_tensor_value_info(PREFIX + "i", TensorProto.INT64, []), cond, *(inputs[n] for n in carried),
+         *last], [cond, *(outputs[n + NEW] for n in carried), *(inputs[n] for n in carried), outputs[loss]],
+        [*g.initializer, *consts])
     inner = {*batch_inputs, *carried, *(m for m, _ in members)}
     outer = [*(_info(PREFIX + n, inputs[n], (None,)) for n in batch_inputs),
              helper.make_tensor_value_info(PREFIX + "steps", TensorProto.INT64, []),
              *(_info(PREFIX + n, inputs[n]) for n in carried), *(v for v in g.input if v.name not in inner)]
-    loop = helper.make_node("Loop", [PREFIX + "steps", "", *(PREFIX + n for n in carried)],
-                            [*(PREFIX + n + NEW for n in carried), PREFIX + "losses"], body=body)
-    results = [*(_info(PREFIX + n + NEW, inputs[n]) for n in carried), _info(PREFIX + "losses", outputs[loss], (None,))]
+    loop = helper.make_node("Loop", [PREFIX + "steps", "", *[PREFIX + n for n in carried] * 2],
+                            [*(PREFIX + n + NEW for n in carried), *(PREFIX + n + LAST for n in carried),
+                             PREFIX + "losses"], body=body)
+    results = [*(_info(PREFIX + n + NEW, inputs[n]) for n in carried), *(_info(PREFIX + n + LAST, inputs[n])
+                                                                          for n in carried),
+               _info(PREFIX + "losses", outputs[loss], (None,))]
     return helper.make_model(helper.make_graph([loop], "epoch", outer, results), opset_imports=model.opset_import,
                              ir_version=model.ir_version, functions=model.functions)
