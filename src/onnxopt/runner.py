@@ -382,6 +382,7 @@ class Runner:
         return np.asarray(losses, np.float64)
 
     def _sample_weight(self, sample_weight, arrays: list) -> np.ndarray:
+        """``sample_weight`` checked against the batch ``arrays[0]`` (X); ``arrays`` are named in the error."""
         arr = as_array(sample_weight, self.dtype, "sample_weight")
         if arr.shape != arrays[0].shape[:1]:  # NOTE: the loss broadcasts weights: (1,) or (n, 1) would run
             raise self._data_error([*arrays, arr], f"sample_weight: expected shape {arrays[0].shape[:1]} (one "
