@@ -142,6 +142,22 @@ def test_divergence_after_whole_loop_epochs_goes_back_like_steps(rng, lr, failin
     _assert_same(looped, stepped)
 
 
+def test_refused_loop_keeps_the_weights_a_divergence_goes_back_to(rng):
+    """A Loop whose batches onnxruntime refuses leaves every buffer set as it was: the next step that
+    diverges still goes back to the last Loop's last inputs."""
+    X = rng.normal(size=(64, 4)).astype(np.float32)
+    y = (X @ np.array([1.0, -2.0, 0.5, 0.0], np.float32)) * 30
+    looped, stepped = _pair(onnxopt.compile_train_step(mlp([4, 6, 1], seed=4), learning_rate=0.028), batch_size=8)
+    looped.epoch(X, y)
+    _per_step(stepped, X, y, 8)
+    with pytest.raises(DataError, match="onnxruntime refused it"):
+        looped.epoch(np.zeros((64, 5), np.float32), y)
+    for runner in (looped, stepped):  # NOTE: step 9 diverges (test above)
+        with pytest.raises(ConvergenceError, match="at step 9; .* last finite loss \\(step 8\\)"):
+            runner.step(X[:8], y[:8])
+    _assert_same(looped, stepped)
+
+
 def test_finite_losses_with_overflowing_weights_replay_as_steps():
     """The Loop's last update overflows while its losses are finite: the epoch is replayed step by step, so the
     last batch's non-finite loss goes back to the weights of the last finite loss, as after Runner.step."""
