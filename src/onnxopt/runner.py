@@ -1,4 +1,4 @@
-"""``Runner``: executes a fused train step, one session run per step, weights never leaving ORT.
+"""``Runner``: executes a fused train step, one session run per step or epoch, weights never leaving ORT.
 
 Weights and optimizer state live as OrtValues in three buffer sets; binding k reads set k and writes set
 k+1 (mod 3), all bound once. A step binds only the batch. A failed or diverging step never touches its
