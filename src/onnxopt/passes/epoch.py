@@ -1,13 +1,14 @@
 """An epoch as one model: the Runner's CPU step as the body of an ONNX ``Loop`` over stacked batches.
 
 ``epoch_model`` wraps a step whose per-batch inputs are ``batch_inputs`` (X, the target): the Loop reads
-batch ``i`` of ``epoch.<input>`` (shape ``(steps, batch, ...)``) with a ``Gather``, carries the step's carried
-tensors (``<name>`` -> ``<name>.new``) from ``epoch.<name>`` to ``epoch.<name>.new``, passes each iteration's
-carried inputs through (``epoch.<name>.last``: the last step's inputs, which a diverging next step goes
-back to) and stacks the losses in ``epoch.losses``. A pack's members (weights bound as views of it in the
-step, ``passes.update``) come from ``Split`` + ``Reshape`` of the carried pack. Every other input (hoisted sample-weight values,
-constants) is read from the outer scope, so it is bound once per epoch. The body is the step's graph, node
-for node: the losses and weights are those of one run per batch, bit for bit (tests/test_epoch.py).
+batch ``i`` of ``epoch.<input>`` (shape ``(steps, batch, ...)``) with a ``Gather``, carries the step's
+carried tensors (``<name>`` -> ``<name>.new``) from ``epoch.<name>`` to ``epoch.<name>.new``, passes each
+iteration's carried inputs through (``epoch.<name>.last``: the last step's inputs, which a diverging next
+step goes back to) and stacks the losses in ``epoch.losses``. A pack's members (weights bound as views of
+it in the step, ``passes.update``) come from ``Split`` + ``Reshape`` of the carried pack. Every other input
+(hoisted sample-weight values, constants) is read from the outer scope, so it is bound once per epoch. The
+body is the step's graph, node for node: the losses and weights are those of one run per batch, bit for
+bit (tests/test_epoch.py).
 """
 
 from __future__ import annotations
