@@ -167,6 +167,7 @@ class Runner:
             side_opts.intra_op_num_threads, side_opts.log_severity_level = 1, 4
             self._side = ort.InferenceSession(cpu.side, side_opts, providers=["CPUExecutionProvider"])
         stripped, self.batch_size, self._epoch, self._loop_io = _without_values(model, initial), batch_size, None, {}
+        self._loop_bound: list[tuple | None] = [None] * _N_SETS  # NOTE: per epoch binding: (steps, batch) it holds
         self._cpu = stripped if cpu and loopable(model) else None  # NOTE: the epoch model's body, made when used
         try:
             self.session = ort.InferenceSession(stripped, opts, providers=providers)
@@ -411,17 +412,22 @@ class Runner:
             self._synced = [self.sync()]
         sess, raws = self._epoch_session()
         raw, first, valid = raws[self._current], self._current, self._previous_valid
-        if steps not in self._loop_io:  # NOTE: the step count and the losses' buffer, per epoch length
-            self._loop_io[steps] = np.array(steps, np.int64), np.empty(steps, self.dtype)
-        keep = [X.reshape(steps, batch, *X.shape[1:]), y.reshape(steps, batch, *y.shape[1:]), *self._loop_io[steps]]
-        for name, arr in zip((self._x_name, self._y_name, "steps"), keep):
+        if steps not in self._loop_io:  # NOTE: the step count and the losses' buffer per epoch length, bound
+            arrays = np.array(steps, np.int64), np.empty(steps, self.dtype)  # once per binding while it lasts
+            self._loop_io[steps] = (*arrays, *(C.OrtValue.ortvalue_from_numpy(a, self._device) for a in arrays))
+        losses = self._loop_io[steps][1]
+        for name, arr in ((self._x_name, X), (self._y_name, y)):
+            arr = arr.reshape(steps, batch, *arr.shape[1:])
             raw.bind_ortvalue_input(PREFIX + name, C.OrtValue.ortvalue_from_numpy(arr, self._device))
-        raw.bind_ortvalue_output(PREFIX + "losses", C.OrtValue.ortvalue_from_numpy(keep[3], self._device))
-        if self._w_name is not None:
-            if batch not in self._ones:
-                self._ones[batch] = self._weight_values(np.ones(batch, self.dtype))
-            for name, value in self._ones[batch][0]:
-                raw.bind_ortvalue_input(name, value)
+        if self._loop_bound[first] != (steps, batch):
+            raw.bind_ortvalue_input(PREFIX + "steps", self._loop_io[steps][2])
+            raw.bind_ortvalue_output(PREFIX + "losses", self._loop_io[steps][3])
+            if self._w_name is not None:
+                if batch not in self._ones:
+                    self._ones[batch] = self._weight_values(np.ones(batch, self.dtype))
+                for name, value in self._ones[batch][0]:
+                    raw.bind_ortvalue_input(name, value)
+            self._loop_bound[first] = (steps, batch)
         # NOTE: the Loop also writes the set before ``first`` (the last step's inputs): kept for a replay
         before = self._hosts[(first - 1) % _N_SETS]
         saved = [a.copy() for a in before] if valid else []
@@ -429,14 +435,15 @@ class Runner:
         try:
             self._run(sess, raw, [X, y])
             self.n_runs += 1
-            ok = np.isfinite(keep[3]).all() and all(np.isfinite(a).all() for a in self._hosts[(first + 2) % _N_SETS])
+            ok = np.isfinite(losses).all() and all(np.isfinite(a).all() for a in self._hosts[(first + 2) % _N_SETS]
+                                                   if a.dtype.kind == "f")
         finally:
             for a, b in zip(before, saved if not ok else []):  # NOTE: a refused batch, or a NaN: epoch() replays
                 np.copyto(a, b)  # the batches with step from the epoch's first weights, which stay current
         if not ok:
             return []
         self._current, self._previous_valid = (first + 2) % _N_SETS, True
-        return keep[3].tolist()
+        return losses.tolist()
 
     def _run(self, sess, raw, keep) -> None:
         """One run of ``sess`` with binding ``raw``; ORT's shape/type errors become a DataError naming the batch."""
