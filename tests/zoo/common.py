@@ -78,6 +78,28 @@ def locate(params: dict, weights: dict[str, np.ndarray], rtol: float = 1e-5) -> 
     return out
 
 
+def central_differences(flat: np.ndarray, assign, loss, h: float = 1e-6) -> np.ndarray:
+    """d loss / d flat by central differences; ``assign(values)`` writes the parameters, restored at the end."""
+    fd = np.zeros_like(flat)
+    try:
+        for k in range(len(flat)):
+            for sign in (1, -1):
+                shifted = flat.copy()
+                shifted[k] += sign * h
+                assign(shifted)
+                fd[k] += sign * loss() / (2 * h)
+    finally:
+        assign(flat)
+    return fd
+
+
+def assert_gradients(grads: dict[str, np.ndarray], ref: np.ndarray, where: dict[str, np.ndarray], rtol: float,
+                     atol: float) -> None:
+    """Each weight's gradient against the reference's entries at its places (``locate``)."""
+    for wname, g in grads.items():
+        np.testing.assert_allclose(g, ref[where[wname]], rtol=rtol, atol=atol, err_msg=f"weight {wname!r}")
+
+
 def assert_one_to_one(where: dict[str, np.ndarray], params: dict[str, np.ndarray]) -> None:
     """The located weights cover every parameter element exactly once."""
     sizes = {n: int(np.prod(np.shape(p))) for n, p in params.items()}

@@ -126,7 +126,11 @@ def make_module(name: str, p: float | None = None) -> nn.Module:
     """The model ``name`` with seeded weights; BatchNorm gets non-trivial affine weights and statistics."""
     torch.manual_seed(0)
     spec = TORCH_MODELS[name]
-    module = spec.build() if p is None else spec.build(p)
+    return perturb(spec.build() if p is None else spec.build(p))
+
+
+def perturb(module: nn.Module) -> nn.Module:
+    """Seeded noise on every parameter, and non-trivial BatchNorm affine weights and statistics (in place)."""
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         # NOTE: noise on every parameter: torch's ones/zeros initializations (LayerNorm, attention biases) are
@@ -134,7 +138,7 @@ def make_module(name: str, p: float | None = None) -> nn.Module:
         for param in module.parameters():
             param.add_(0.05 * torch.randn(param.shape, generator=gen))
         for m in module.modules():
-            if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=gen))
                 m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=gen))
                 m.running_mean.copy_(0.3 * torch.randn(m.running_mean.shape, generator=gen))

@@ -15,7 +15,7 @@ import onnx
 import torch
 
 from zoo.common import locate as common_locate
-from zoo.models import export
+from zoo.models import export, perturb
 
 nn = torch.nn
 F = nn.functional
@@ -320,18 +320,7 @@ MODELS: dict[str, Spec] = {
 def make_module(name: str, p: float | None = None) -> nn.Module:
     torch.manual_seed(0)
     spec = MODELS[name]
-    module = spec.build() if p is None else spec.build(p)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in module.parameters():  # NOTE: no two equal tensors (exporters merge them)
-            param.add_(0.05 * torch.randn(param.shape, generator=gen))
-        for m in module.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=gen))
-                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=gen))
-                m.running_mean.copy_(0.3 * torch.randn(m.running_mean.shape, generator=gen))
-                m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=gen))
-    return module
+    return perturb(spec.build() if p is None else spec.build(p))
 
 
 def make_data(name: str, n: int = 96, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -30,7 +30,8 @@ import onnxopt
 from onnxopt import dsl
 from onnxopt.errors import ModelError
 from zoo import models_more as M
-from zoo.common import assert_one_to_one, assert_same_outputs, first_step, locate, predict
+from zoo.common import (assert_gradients, assert_one_to_one, assert_same_outputs, central_differences, first_step,
+                         locate, predict)
 from zoo.models import export, flat_gradients, load_into
 
 BATCH = 16
@@ -85,10 +86,7 @@ def test_first_loss_equals_torch(torch_case):
 
 def test_gradient_equals_autograd(torch_case):
     _, grads, _, ref, where = _first(*torch_case)
-    scale = np.abs(ref).max()
-    for wname, g in grads.items():
-        np.testing.assert_allclose(g, ref[where[wname]], rtol=1e-4, atol=1e-5 * scale,
-                                   err_msg=f"weight {wname!r}")
+    assert_gradients(grads, ref, where, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 
 
 def test_only_parameters_are_trained(torch_case):
@@ -344,19 +342,8 @@ def test_sklearn_gradient_equals_finite_differences(sk_case):
     est = _fitted(sk_case)
     X, y = _sk_data(SK_CASES[sk_case][1])
     flat = np.concatenate([p.ravel() for p in _sk_params(est).values()]).astype(np.float64)
-    h, fd = 1e-6, np.zeros_like(flat)
-    try:
-        for k in range(len(flat)):
-            for sign in (1, -1):
-                shifted = flat.copy()
-                shifted[k] += sign * h
-                _sk_assign(est, shifted)
-                fd[k] += sign * _sk_loss(sk_case, est, X[:32], y[:32]) / (2 * h)
-    finally:
-        _sk_assign(est, flat)
-    for wname, g in grads.items():
-        np.testing.assert_allclose(g, fd[where[wname]], rtol=1e-5, atol=1e-8 * np.abs(fd).max(),
-                                   err_msg=f"weight {wname!r}")
+    fd = central_differences(flat, lambda v: _sk_assign(est, v), lambda: _sk_loss(sk_case, est, X[:32], y[:32]))
+    assert_gradients(grads, fd, where, rtol=1e-5, atol=1e-8 * np.abs(fd).max())
 
 
 TRAINED = [(name, dtype) for name in SK_CASES if SK_CASES[name][2] for dtype in (np.float32, np.float64)]

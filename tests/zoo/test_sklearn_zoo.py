@@ -23,7 +23,8 @@ from skl2onnx import to_onnx
 
 import onnxopt
 from onnxopt import dsl
-from zoo.common import assert_one_to_one, assert_same_outputs, first_step, locate, predict
+from zoo.common import (assert_gradients, assert_one_to_one, assert_same_outputs, central_differences, first_step,
+                         locate, predict)
 
 OPSET = 18  # NOTE: skl2onnx's default opset is newer than onnxruntime 1.19 loads
 N_TRAIN = 200
@@ -141,19 +142,8 @@ def test_gradient_equals_finite_differences(case):
     est = fitted(case)
     X, y = data(CASES[case][1])
     flat = np.concatenate([p.ravel() for p in sk_params(est).values()]).astype(np.float64)
-    h, fd = 1e-6, np.zeros_like(flat)
-    try:
-        for k in range(len(flat)):
-            for sign in (1, -1):
-                shifted = flat.copy()
-                shifted[k] += sign * h
-                sk_assign(est, shifted)
-                fd[k] += sign * sk_loss(case, est, X[:32], y[:32]) / (2 * h)
-    finally:
-        sk_assign(est, flat)
-    for wname, g in grads.items():
-        np.testing.assert_allclose(g, fd[where[wname]], rtol=1e-5, atol=1e-8 * np.abs(fd).max(),
-                                   err_msg=f"weight {wname!r}")
+    fd = central_differences(flat, lambda v: sk_assign(est, v), lambda: sk_loss(case, est, X[:32], y[:32]))
+    assert_gradients(grads, fd, where, rtol=1e-5, atol=1e-8 * np.abs(fd).max())
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import onnxopt
-from zoo.common import assert_one_to_one, assert_same_outputs, first_step, predict, unchanged
+from zoo.common import assert_gradients, assert_one_to_one, assert_same_outputs, first_step, predict, unchanged
 from zoo.models import (TORCH_MODELS, exported, exported_module, flat_gradients, load_into, locate, loss_name,
                         make_data, reference_module, torch_loss)
 
@@ -58,10 +58,7 @@ def test_first_loss_equals_torch(torch_case):
 
 def test_gradient_equals_autograd(torch_case):
     _, grads, _, ref, where = _first(*torch_case)
-    scale = np.abs(ref).max()
-    for name, g in grads.items():
-        np.testing.assert_allclose(g, ref[where[name]], rtol=1e-4, atol=1e-5 * scale,
-                                   err_msg=f"weight {name!r}")
+    assert_gradients(grads, ref, where, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 
 
 def test_only_parameters_are_trained(torch_case):
