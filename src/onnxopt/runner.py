@@ -180,7 +180,7 @@ class Runner:
         # NOTE: what the session reads and writes: packs and unpacked tensors; packed weights are read as views
         self._bound = [*self._packs, *(n for n in self._carried if n not in members)]
         self._views = self._packs.get(PACK_WEIGHTS, [])
-        self._flat: list[np.ndarray] = []  # NOTE: the packs' memory (their OrtValues and views do not own it)
+        # NOTE: per set, its host buffers: the packs' memory (their OrtValues and views do not own it) and the rest
         self._hosts: list[list[np.ndarray]] = []
         self._sets = [self._zeros_like(initial) for _ in range(_N_SETS)]
         self.set_weights(initial, _all_sets=True)
@@ -212,7 +212,6 @@ class Runner:
         for pack, names in self._packs.items():  # NOTE: one flat buffer per pack, each member a view of it
             shapes = [initial[n if n in initial else n.rsplit(".", 1)[0]].shape for n in names]
             flat = np.zeros(sum(int(np.prod(sh)) for sh in shapes), self.dtype)
-            self._flat.append(flat)
             hosts.append(flat)
             out[pack] = ort.OrtValue.ortvalue_from_numpy(flat, self.device, 0)
             offset = 0
@@ -230,7 +229,7 @@ class Runner:
                 arr = np.zeros_like(initial[name if name in initial else name.rsplit(".", 1)[0]])
             hosts.append(arr)
             out[name] = ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
-        self._hosts.append(hosts)  # NOTE: on CPU the set's buffers themselves (the OrtValues wrap them)
+        self._hosts.append(hosts)  # NOTE: on CPU the OrtValues wrap these arrays
         return out
 
     def _bind(self, k: int, session: ort.InferenceSession | None = None) -> ort.IOBinding:
