@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from onnxopt.bench import main
+from onnxopt.bench.competitors import Onnxopt
 from onnxopt.bench.report import BEGIN, END, write_markdown
 from onnxopt.bench.workloads import WORKLOADS, select
 
@@ -77,14 +78,20 @@ def test_select_names_workloads():
         main(["--workloads", "W9"])
 
 
-def test_memory_in_a_fresh_process_and_sgemm_references():
+def test_memory_in_a_fresh_process_and_matmul_references():
+    from onnxopt.bench.competitors import REFERENCES
     from onnxopt.bench.memory import fresh_rss
-    from onnxopt.bench.timing import sgemm_gflops
+    from onnxopt.bench.timing import run_workload
 
     assert isinstance(fresh_rss("W2", "onnxopt"), float)
     assert fresh_rss("W2", "no such competitor") is None
-    refs = sgemm_gflops(32, 64, 64, threads=1, repeat=3)
-    assert set(refs) == {"numpy matmul", "ORT MatMul (MLAS)"} and min(refs.values()) > 0
+    wl = WORKLOADS["W2"]
+    results = run_workload(wl, [Onnxopt, *REFERENCES], rounds=2, epochs=1, log=lambda _: None)
+    ours, *refs = results
+    assert [r.competitor for r in refs] == ["numpy matmul", "ORT MatMul (MLAS)"] and all(r.reference for r in refs)
+    assert all(len(r.block_us) == len(r.ref_us) == 2 and r.us_per_step > 0 and not r.losses for r in refs)
+    assert len(ours.block_us) == 2 * 3  # NOTE: before the first reference and after each, every round
+    assert len(ours.losses) == (1 + 2 * 2) * wl.steps  # NOTE: its extra blocks stay out of the loss curve
 
 
 def test_portable_comparison_says_why_it_skipped(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Runner.epoch: the full batches of an epoch in one run of an ONNX Loop (passes/epoch.py). The reference is
+"""Runner.epoch: the full batches of an epoch in one run of an ONNX Scan (passes/epoch.py). The reference is
 Runner.step once per batch: same losses, weights, state and step count, bit for bit, and the same errors."""
 
 import contextlib
@@ -70,7 +70,7 @@ def test_epoch_carries_batchnorm_statistics_of_a_torch_export(data, tmp_path):
     torch.onnx.export(net.train(), (torch.zeros(8, 4),), str(path), dynamo=False, input_names=["X"],
                       dynamic_axes={"X": {0: "n"}}, training=torch.onnx.TrainingMode.TRAINING)
     step = onnxopt.compile_train_step(str(path), loss="square", update="adam", learning_rate=0.01, mode="train")
-    assert step.buffers  # NOTE: the running mean and variance, carried by the Loop as by the step
+    assert step.buffers  # NOTE: the running mean and variance, carried by the Scan as by the step
     looped, stepped = _pair(step, batch_size=8)
     for _ in range(2):
         np.testing.assert_array_equal(looped.epoch(data[0], data[1]), _per_step(stepped, data[0], data[1], 8))
@@ -79,8 +79,8 @@ def test_epoch_carries_batchnorm_statistics_of_a_torch_export(data, tmp_path):
 
 @pytest.mark.parametrize("layer", ["dropout", "maxpool"])
 def test_steps_a_loop_cannot_repeat_run_one_step_per_batch(data, tmp_path, layer):
-    """Dropout draws its masks in the Loop body's own kernel, and MaxPoolGrad crashes onnxruntime-training in a
-    subgraph (passes.epoch.loopable): their epochs are one step per batch, the same numbers."""
+    """Dropout draws its masks in the Scan body's own kernel, and MaxPoolGrad crashes onnxruntime-training in a
+    subgraph (passes.epoch.scannable): their epochs are one step per batch, the same numbers."""
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
 
@@ -125,8 +125,8 @@ def test_diverging_epoch_stops_with_the_weights_of_the_last_finite_loss(data):
 
 @pytest.mark.parametrize("lr, failing", [(0.028, 9), (0.02, 34), (0.017, 45)])
 def test_divergence_after_whole_loop_epochs_goes_back_like_steps(rng, lr, failing):
-    """Epochs of 8 full batches are one Loop run each: a divergence in a later epoch (step 9 is the first
-    step after a Loop) goes back to the weights that gave the last finite loss, the Loop's last inputs."""
+    """Epochs of 8 full batches are one Scan run each: a divergence in a later epoch (step 9 is the first
+    step after a Scan) goes back to the weights that gave the last finite loss, the Scan's last inputs."""
     X = rng.normal(size=(64, 4)).astype(np.float32)
     y = (X @ np.array([1.0, -2.0, 0.5, 0.0], np.float32)) * 30
     looped, stepped = _pair(onnxopt.compile_train_step(mlp([4, 6, 1], seed=4), learning_rate=lr), batch_size=8)
@@ -143,8 +143,8 @@ def test_divergence_after_whole_loop_epochs_goes_back_like_steps(rng, lr, failin
 
 
 def test_refused_loop_keeps_the_weights_a_divergence_goes_back_to(rng):
-    """A Loop whose batches onnxruntime refuses leaves every buffer set as it was: the next step that
-    diverges still goes back to the last Loop's last inputs."""
+    """A Scan whose batches onnxruntime refuses leaves every buffer set as it was: the next step that
+    diverges still goes back to the last Scan's last inputs."""
     X = rng.normal(size=(64, 4)).astype(np.float32)
     y = (X @ np.array([1.0, -2.0, 0.5, 0.0], np.float32)) * 30
     looped, stepped = _pair(onnxopt.compile_train_step(mlp([4, 6, 1], seed=4), learning_rate=0.028), batch_size=8)
@@ -159,7 +159,7 @@ def test_refused_loop_keeps_the_weights_a_divergence_goes_back_to(rng):
 
 
 def test_finite_losses_with_overflowing_weights_replay_as_steps():
-    """The Loop's last update overflows while its losses are finite: the epoch is replayed step by step, so the
+    """The Scan's last update overflows while its losses are finite: the epoch is replayed step by step, so the
     last batch's non-finite loss goes back to the weights of the last finite loss, as after Runner.step."""
     X = np.array([[0.5, 0.0], [1.0, 0.0], [0.0, 1e300], [1.0, 1.0]])  # NOTE: coef[1] is 0 until step 3
     y = np.array([1.0, 2.0, 1e10, 0.0])  # NOTE: loss 3 ~1e20, its gradient for coef[1] -2e310
@@ -171,7 +171,7 @@ def test_finite_losses_with_overflowing_weights_replay_as_steps():
         _per_step(stepped, X, y, 1)
     with pytest.raises(ConvergenceError, match=r"^batch 4: loss became (nan|inf|-inf) at step 4") as got:
         looped.epoch(X, y)
-    assert str(got.value) == "batch 4: " + str(expected.value) and looped.n_runs == 1 + 4  # NOTE: Loop, replay
+    assert str(got.value) == "batch 4: " + str(expected.value) and looped.n_runs == 1 + 4  # NOTE: Scan, replay
     assert np.isfinite(looped.get_weights()["coef"]).all()
     _assert_same(looped, stepped)
 

@@ -25,7 +25,7 @@ from onnxruntime.capi import _pybind_state as C
 from onnxopt.data import as_array, check_batch_size
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError, NotDifferentiableError
 from onnxopt.passes.batch import drop_same_shape_reshapes, hoist, masked_relu_grads, shaped_target
-from onnxopt.passes.epoch import LAST, PREFIX, epoch_model, loopable
+from onnxopt.passes.epoch import CHECK, LAST, PREFIX, epoch_model, scannable
 from onnxopt.passes.update import PACK_WEIGHTS, flat_carry
 from onnxopt.step import NEW, STEP, TrainStep
 
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 _N_SETS = 3
 _HISTORY = 1024  # NOTE: deferred losses kept on the device before an automatic sync
 _HOST = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
-# NOTE: parameters × batch below which a step does little work: one thread, and epochs as one Loop run (whose
+# NOTE: parameters × batch below which a step does little work: one thread, and epochs as one Scan run (whose
 # second session would cost memory and save nothing on longer steps)
 SMALL_STEP = 1_000_000
 
@@ -168,7 +168,7 @@ class Runner:
             self._side = ort.InferenceSession(cpu.side, side_opts, providers=["CPUExecutionProvider"])
         stripped, self.batch_size, self._epoch, self._loop_io = _without_values(model, initial), batch_size, None, {}
         self._loop_bound: list[tuple | None] = [None] * _N_SETS  # NOTE: per epoch binding: (steps, batch) it holds
-        self._cpu = stripped if cpu and loopable(model) else None  # NOTE: the epoch model's body, made when used
+        self._cpu = stripped if cpu and scannable(model) else None  # NOTE: the epoch model's body, made when used
         try:
             self.session = ort.InferenceSession(stripped, opts, providers=providers)
         except Exception as exc:
@@ -356,8 +356,8 @@ class Runner:
         default; the last may be shorter); returns their losses.
 
         On CPU, for small steps (parameters × batch below ``SMALL_STEP``, where a run's fixed costs weigh), the
-        full batches run in one session run, the step inside an ONNX ``Loop`` (``passes.epoch``): the numbers
-        of one ``step`` per batch, bit for bit, without a run, binds and Python per batch. The Loop leaves its
+        full batches run in one session run, the step inside an ONNX ``Scan`` (``passes.epoch``): the numbers
+        of one ``step`` per batch, bit for bit, without a run, binds and Python per batch. The Scan leaves its
         last step's inputs in the buffer set before the current one, as steps do; a NaN or infinite loss or
         weight replays the batches with ``step`` from the epoch's first weights, so the error raised
         (ConvergenceError, naming the batch) and the weights kept are always ``step``'s.
@@ -398,7 +398,10 @@ class Runner:
             session = ort.InferenceSession(self._epoch_model.SerializeToString(), self._opts,
                                            providers=["CPUExecutionProvider"])
             self._epoch = (session._sess, [session.io_binding()._iobinding for _ in range(_N_SETS)])
+            self._check = np.full((), np.nan, self.dtype)
+            check = C.OrtValue.ortvalue_from_numpy(self._check, self._device)
             for k, raw in enumerate(self._epoch[1]):  # NOTE: reads set k, ends with the last step's inputs in
+                raw.bind_ortvalue_output(CHECK, check)
                 for name in self._bound:  # set k + 1 and its outputs in set k + 2, as the steps would
                     raw.bind_ortvalue_input(PREFIX + name, self._sets[k][name]._ortvalue)
                     raw.bind_ortvalue_output(PREFIX + name + LAST, self._sets[(k + 1) % _N_SETS][name]._ortvalue)
@@ -406,36 +409,36 @@ class Runner:
         return self._epoch
 
     def _loop(self, X: np.ndarray, y: np.ndarray, steps: int, batch: int) -> list[float]:
-        """Losses of ``steps`` batches of ``batch`` rows run as one Loop; none, weights unchanged, on a NaN."""
+        """Losses of ``steps`` batches of ``batch`` rows run as one Scan; none, weights unchanged, on a NaN."""
         if self._pending:
             self._synced = [self.sync()]
         sess, raws = self._epoch_session()
         raw, first, valid = raws[self._current], self._current, self._previous_valid
-        if steps not in self._loop_io:  # NOTE: the step count and the losses' buffer per epoch length, bound
-            arrays = np.array(steps, np.int64), np.empty(steps, self.dtype)  # once per binding while it lasts
-            self._loop_io[steps] = (*arrays, *(C.OrtValue.ortvalue_from_numpy(a, self._device) for a in arrays))
-        losses = self._loop_io[steps][1]
+        if steps not in self._loop_io:  # NOTE: the losses' buffer per epoch length, bound once per binding
+            losses = np.empty(steps, self.dtype)
+            self._loop_io[steps] = (losses, C.OrtValue.ortvalue_from_numpy(losses, self._device))
+        losses = self._loop_io[steps][0]
+        cut = (steps - 1) * batch  # NOTE: the Scan runs all batches but the last, the outer graph the last
         for name, arr in ((self._x_name, X), (self._y_name, y)):
-            arr = arr.reshape(steps, batch, *arr.shape[1:])
-            raw.bind_ortvalue_input(PREFIX + name, C.OrtValue.ortvalue_from_numpy(arr, self._device))
+            head = arr[:cut].reshape(steps - 1, batch, *arr.shape[1:])
+            raw.bind_ortvalue_input(PREFIX + name, C.OrtValue.ortvalue_from_numpy(head, self._device))
+            raw.bind_ortvalue_input(PREFIX + name + LAST, C.OrtValue.ortvalue_from_numpy(arr[cut:], self._device))
         if self._loop_bound[first] != (steps, batch):
-            raw.bind_ortvalue_input(PREFIX + "steps", self._loop_io[steps][2])
-            raw.bind_ortvalue_output(PREFIX + "losses", self._loop_io[steps][3])
+            raw.bind_ortvalue_output(PREFIX + "losses", self._loop_io[steps][1])
             if self._w_name is not None:
                 if batch not in self._ones:
                     self._ones[batch] = self._weight_values(np.ones(batch, self.dtype))
                 for name, value in self._ones[batch][0]:
                     raw.bind_ortvalue_input(name, value)
             self._loop_bound[first] = (steps, batch)
-        # NOTE: the Loop also writes the set before ``first`` (the last step's inputs): kept for a replay
+        # NOTE: the Scan also writes the set before ``first`` (the last step's inputs): kept for a replay
         before = self._hosts[(first - 1) % _N_SETS]
         saved = [a.copy() for a in before] if valid else []
         ok = False
         try:
             self._run(sess, raw, [X, y])
             self.n_runs += 1
-            ok = np.isfinite(losses).all() and all(np.isfinite(a).all() for a in self._hosts[(first + 2) % _N_SETS]
-                                                   if a.dtype.kind == "f")
+            ok = math.isfinite(self._check)  # NOTE: the sum of the losses and new tensors (an overflow replays too)
         finally:
             for a, b in zip(before, saved if not ok else []):  # NOTE: a refused batch, or a NaN: epoch() replays
                 np.copyto(a, b)  # the batches with step from the epoch's first weights, which stay current

@@ -43,21 +43,23 @@ def _parser() -> argparse.ArgumentParser:
 def run(workloads, quick: bool = False, rounds: int | None = None, log=print):
     """Times every competitor on ``workloads``.
 
-    Returns the results, sgemm GFLOP/s per compute-bound workload and, unless ``quick``, the fresh-process
-    memory (MB) of onnxopt, ORT on-device and torch eager on the compute-bound workloads.
+    Returns the results (with a plain matmul of the biggest layer, numpy's and ORT's, timed in the same rounds
+    on the compute-bound workloads) and, unless ``quick``, the fresh-process memory (MB) of onnxopt, ORT
+    on-device and torch eager on them.
     """
     from onnxopt.bench import competitors as c
     from onnxopt.bench.memory import fresh_rss
-    from onnxopt.bench.report import MEMORY_COMPETITORS, biggest_layer
-    from onnxopt.bench.timing import run_workload, sgemm_gflops
+    from onnxopt.bench.report import MEMORY_COMPETITORS
+    from onnxopt.bench.timing import run_workload
 
     rounds = rounds or (2 if quick else 5)
-    results, sgemm, memory = [], {}, {}
+    results, memory = [], {}
     for wl in workloads:
         if wl.name.startswith(("batch-", "width-")):
             comps = [c.Onnxopt, c.TorchEager]
         else:
             comps = [x for x in c.COMPETITORS if not (quick and x is c.TorchCompile)]
+            comps += c.REFERENCES if wl.name.startswith(COMPUTE_BOUND) else []
         t0 = time.perf_counter()
         log(f"{wl.name} ({wl.title}): sizes {wl.sizes}, batch {wl.batch}, {wl.n} samples, {wl.update}")
         res = run_workload(wl, comps, rounds, epochs=1 if quick else None, log=log)
@@ -66,12 +68,10 @@ def run(workloads, quick: bool = False, rounds: int | None = None, log=print):
 
             res.insert(2, Result(wl.name, c.TorchCompile.name, skipped="--quick (compiling takes ~30 s)"))
         results += res
-        if wl.name.startswith(COMPUTE_BOUND):
-            sgemm[wl.name] = sgemm_gflops(*biggest_layer(wl), threads=wl.threads)
-            if not quick:
-                memory[wl.name] = {c: _median([fresh_rss(wl.name, c) for _ in range(3)]) for c in MEMORY_COMPETITORS}
+        if wl.name.startswith(COMPUTE_BOUND) and not quick:
+            memory[wl.name] = {c: _median([fresh_rss(wl.name, c) for _ in range(3)]) for c in MEMORY_COMPETITORS}
         log(f"  ({time.perf_counter() - t0:.0f} s)")
-    return results, sgemm, memory
+    return results, memory
 
 
 def _median(values):
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds: expected a positive integer, got {args.rounds}")
     t0 = time.perf_counter()
-    results, sgemm, memory = run(workloads, quick=args.quick, rounds=args.rounds)
+    results, memory = run(workloads, quick=args.quick, rounds=args.rounds)
     os.makedirs(args.img_dir, exist_ok=True)
     images = {}
     workloads_to_plot = workloads
@@ -112,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (2 if args.quick else 5)
     header = (f"Run of {datetime.date.today()} ({'--quick, not a measurement' if args.quick else 'full'}, "
               f"{rounds} rounds, {time.perf_counter() - t0:.0f} s): {report.machine()}.")
-    report.write_markdown(args.out_md, report.tables(results, workloads, sgemm, memory, images, header))
+    report.write_markdown(args.out_md, report.tables(results, workloads, memory, images, header))
     if args.out_json:
         with open(args.out_json, "w", encoding="utf-8") as f:
-            json.dump({"results": [vars(r) for r in results], "sgemm": sgemm, "memory": memory}, f)
+            json.dump({"results": [vars(r) for r in results], "memory": memory}, f)
     print(f"wrote {args.out_md} and {len(images)} plot(s) in {args.img_dir}", file=sys.stderr)
     # NOTE: the portable comparison runs in other processes, after the suite, and adds a section to its page
     from onnxopt.bench.portable import bench_section

@@ -18,7 +18,7 @@ import onnx
 from onnxopt.bench.memory import rss
 from onnxopt.bench.workloads import Workload
 
-__all__ = ["Skipped", "Competitor", "COMPETITORS", "ort_kernels", "runner_model"]
+__all__ = ["Skipped", "Competitor", "COMPETITORS", "REFERENCES", "ort_kernels", "runner_model"]
 
 
 class Skipped(Exception):
@@ -27,7 +27,7 @@ class Skipped(Exception):
 
 def ort_kernels(model: onnx.ModelProto | str, threads: int = 1) -> int:
     """Nodes ORT runs for ``model`` after its graph optimizations (ORT_ENABLE_ALL): kernels per run, or per
-    iteration for a model that is one ``Loop`` (an epoch, ``Runner.epoch``)."""
+    iteration of the ``Scan`` of an epoch model (``Runner.epoch``)."""
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as d:
@@ -38,7 +38,8 @@ def ort_kernels(model: onnx.ModelProto | str, threads: int = 1) -> int:
         src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
         ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
         nodes = onnx.load(opts.optimized_model_filepath).graph.node
-        return len(nodes[0].attribute[0].g.node if len(nodes) == 1 and nodes[0].op_type == "Loop" else nodes)
+        scan = next((n for n in nodes if n.op_type == "Scan"), None)
+        return len(nodes if scan is None else next(a.g.node for a in scan.attribute if a.name == "body"))
 
 
 class Competitor:
@@ -61,7 +62,7 @@ class Competitor:
 
 class Onnxopt(Competitor):
     """onnxopt's fused step run by ``Runner``: ``Runner.epoch`` (as ``Trainer`` trains: the batches of a small
-    model in one session run, an ONNX Loop), else one ``step`` per batch."""
+    model in one session run, an ONNX Scan), else one ``step`` per batch."""
 
     name = "onnxopt"
     per_step = False
@@ -78,8 +79,8 @@ class Onnxopt(Competitor):
         self.X, self.y = X, y
         self.looped = not self.per_step and hasattr(self.runner, "epoch")
         if self.looped:
-            self.note = "epoch() per epoch: its full batches in one run (ONNX Loop)"
-            if self.runner._size * wl.batch < onnxopt.runner.SMALL_STEP:  # NOTE: per step: the Loop's body
+            self.note = "epoch() per epoch: its full batches in one run (ONNX Scan)"
+            if self.runner._size * wl.batch < onnxopt.runner.SMALL_STEP:  # NOTE: per step: the Scan's body
                 self.runner._epoch_session()
                 self.nodes = ort_kernels(self.runner._epoch_model, wl.threads)
             else:
@@ -332,4 +333,64 @@ class Sklearn(Competitor):
         return [self.est.loss_curve_[-1] * self.scale]
 
 
+class Matmul(Competitor):
+    """A reference, not a trainer: one plain float32 matmul of the workload's biggest layer per step (``wl.layer``),
+    timed in the same rounds as the trainers, for the GFLOP/s share of W3 and W5."""
+
+    reference = True
+
+    def setup(self, wl, X, y, weights):
+        m, k, n = wl.layer
+        rng = np.random.default_rng(0)
+        self.a, self.b = (rng.normal(size=s).astype(np.float32) for s in ((m, k), (k, n)))
+        self.steps, self.flops = wl.steps, 2.0 * m * k * n
+        self._setup(wl.threads)
+
+    def epoch(self):
+        for _ in range(self.steps):
+            self._matmul()
+        return []
+
+
+class NumpyMatmul(Matmul):
+    """numpy's BLAS (OpenBLAS here), limited to the workload's threads."""
+
+    name = "numpy matmul"
+
+    def _setup(self, threads):
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:  # NOTE: comes with scikit-learn; without it numpy keeps its own thread count
+            return
+        self.limits = threadpool_limits(threads)
+
+    def _matmul(self):
+        self.a @ self.b
+
+
+class OrtMatmul(Matmul):
+    """ORT's own MatMul kernel (MLAS) in a one-node session with the workload's threads."""
+
+    name = "ORT MatMul (MLAS)"
+
+    def _setup(self, threads):
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        k, n = self.b.shape
+        graph = helper.make_graph([helper.make_node("MatMul", ["A", "B"], ["Y"])], "matmul",
+                                  [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k]),
+                                   helper.make_tensor_value_info("B", TensorProto.FLOAT, [k, n])],
+                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads, opts.log_severity_level = threads, 3
+        self.sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        self.feeds = {"A": self.a, "B": self.b}
+
+    def _matmul(self):
+        self.sess.run(None, self.feeds)
+
+
 COMPETITORS = [Onnxopt, OnnxoptStep, TorchEager, TorchCompile, OrtTraining, Sklearn]
+REFERENCES = [NumpyMatmul, OrtMatmul]  # NOTE: timed with the trainers on W3 and W5

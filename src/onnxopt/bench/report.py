@@ -16,7 +16,7 @@ import numpy as np
 from onnxopt.bench.timing import Result
 from onnxopt.bench.workloads import Workload
 
-__all__ = ["BEGIN", "END", "machine", "biggest_layer", "tables", "write_markdown", "append_markdown", "plot_losses",
+__all__ = ["BEGIN", "END", "machine", "tables", "write_markdown", "append_markdown", "plot_losses",
            "plot_scaling", "curve_gap"]
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -76,6 +76,8 @@ def _main_table(groups, workloads) -> list[str]:
         row = groups.get(wl.name, {})
         ref = row.get(REF)
         for name, r in row.items():
+            if r.reference:
+                continue
             if r.skipped:
                 lines.append(f"| {wl.name} | {name} | | skipped | | | | | | {r.skipped} |")
                 continue
@@ -88,14 +90,23 @@ def _main_table(groups, workloads) -> list[str]:
 
 
 def _ratio(a: Result, b: Result) -> float:
-    """a's time per step over b's: the median of the rounds' paired ratios (competitors run in turns within a
-    round, so pairing absorbs the machine's drift between rounds), or of the medians without rounds."""
-    if a.block_us and len(a.block_us) == len(b.block_us):
-        return statistics.median(x / y for x, y in zip(a.block_us, b.block_us))
+    """a's time per step over b's, the median over rounds: each block is taken relative to onnxopt's blocks
+    just before and after it (``run_workload``), so the machine's drift over seconds cancels; the ratio of
+    the medians for results timed otherwise."""
+    ra, rb = _relative(a, b), _relative(b, a)
+    if ra and rb and len(ra) == len(rb):
+        return statistics.median(x / y for x, y in zip(ra, rb))
     return a.us_per_step / b.us_per_step
 
 
-def _targets(groups, memory, sgemm=None, workloads=()) -> list[str]:
+def _relative(r: Result, other: Result) -> list[float] | None:
+    """r's blocks over onnxopt's around them; 1 for onnxopt itself, as many rounds as ``other`` was timed."""
+    if r.ref_us:
+        return [x / o for x, o in zip(r.block_us, r.ref_us)]
+    return [1.0] * len(other.ref_us) if r.competitor == REF and r.block_us else None
+
+
+def _targets(groups, memory, workloads=()) -> list[str]:
     lines = ["| workload | target | measured | with step() per batch | holds |", "| --- | --- | --- | --- | --- |"]
     for prefixes, comp, limit in TARGETS:
         for name, row in groups.items():
@@ -111,9 +122,9 @@ def _targets(groups, memory, sgemm=None, workloads=()) -> list[str]:
                          f"{'yes' if ratio <= limit else 'no'} |")
     ref_name, share = GFLOPS_TARGET
     for wl in workloads:
-        ours = groups.get(wl.name, {}).get(REF)
-        if sgemm and wl.name in sgemm and ref_name in sgemm[wl.name] and ours and not ours.skipped:
-            got = wl.flops / ours.us_per_step / 1e3 / sgemm[wl.name][ref_name]
+        ours, matmul = groups.get(wl.name, {}).get(REF), groups.get(wl.name, {}).get(ref_name)
+        if ours and matmul and not ours.skipped and not matmul.skipped:
+            got = _share(wl, ours, matmul)
             lines.append(f"| {wl.name} | GFLOP/s ≥ {share} × {ref_name} {_layer(wl)} | {got:.2f} | – | "
                          f"{'yes' if got >= share else 'no'} |")
     for name, (measured, expected) in memory.items():
@@ -149,30 +160,34 @@ def _memory(memory: dict[str, dict[str, float | None]], workloads) -> tuple[dict
     return judged, lines
 
 
-def _gflops(groups, workloads, sgemm) -> list[str]:
+def _share(wl: Workload, r: Result, matmul: Result) -> float:
+    """r's GFLOP/s over the reference matmul's, from their paired time ratio."""
+    m, k, n = wl.layer
+    return wl.flops / (2.0 * m * k * n) * _ratio(matmul, r)
+
+
+def _gflops(groups, workloads) -> list[str]:
     lines = ["| workload | competitor | GFLOP/s | share of the faster sgemm |", "| --- | --- | --- | --- |"]
     for wl in workloads:
-        if wl.name not in sgemm:
+        row = groups.get(wl.name, {})
+        refs = [r for r in row.values() if r.reference and not r.skipped]
+        if not refs:
             continue
-        peak = max(sgemm[wl.name].values())
-        for ref, g in sgemm[wl.name].items():
-            lines.append(f"| {wl.name} | {ref} {_layer(wl)} | {g:.1f} | {g / peak:.2f} |")
-        for name, r in groups.get(wl.name, {}).items():
-            if not r.skipped:
-                g = wl.flops / r.us_per_step / 1e3
-                lines.append(f"| {wl.name} | {name} | {g:.1f} | {g / peak:.2f} |")
+        m, k, n = wl.layer
+        peak = min(refs, key=lambda r: r.us_per_step)
+        for r in refs:
+            lines.append(f"| {wl.name} | {r.competitor} {_layer(wl)} | {2.0 * m * k * n / r.us_per_step / 1e3:.1f} "
+                         f"| {_ratio(peak, r):.2f} |")
+        for name, r in row.items():
+            if not r.skipped and not r.reference:
+                lines.append(f"| {wl.name} | {name} | {wl.flops / r.us_per_step / 1e3:.1f} | "
+                             f"{_share(wl, r, peak):.2f} |")
     return lines
 
 
 def _layer(wl: Workload) -> str:
-    m, k, n = biggest_layer(wl)
+    m, k, n = wl.layer
     return f"({m}×{k})·({k}×{n})"
-
-
-def biggest_layer(wl: Workload) -> tuple[int, int, int]:
-    """(batch, fan in, fan out) of the layer with the most weights."""
-    k = max(range(len(wl.sizes) - 1), key=lambda i: wl.sizes[i] * wl.sizes[i + 1])
-    return wl.batch, wl.sizes[k], wl.sizes[k + 1]
 
 
 def _scaling(groups, workloads) -> list[str]:
@@ -192,23 +207,22 @@ def _scaling(groups, workloads) -> list[str]:
     return lines
 
 
-def tables(results: list[Result], workloads: list[Workload], sgemm: dict[str, dict[str, float]],
-           memory: dict[str, dict[str, float | None]], images: dict[str, str], header: str) -> str:
+def tables(results: list[Result], workloads: list[Workload], memory: dict[str, dict[str, float | None]], images: dict[str, str], header: str) -> str:
     """The generated part of the page."""
     groups = _by_workload(results)
     main = [wl for wl in workloads if not wl.name.startswith(("batch-", "width-"))]
     judged, mem_lines = _memory(memory, main)
     out = [header, "", "`onnxopt / it`: onnxopt's time per step divided by the competitor's, the median over "
-           "rounds of the ratio within each round (below 1: onnxopt is faster; `us/step` is each one's median "
-           "over rounds). `loss gap`: largest difference from onnxopt's loss over the run (per step, or per "
+           "rounds of the competitor's block timed between two of onnxopt's (below 1: onnxopt is faster; "
+           "`us/step` is each one's median over rounds). `loss gap`: largest difference from onnxopt's loss over the run (per step, or per "
            "epoch for scikit-learn), relative to onnxopt's largest loss. `kernels/step`: ORT nodes after its "
            "graph optimizations (both sessions for ORT on-device), aten ops dispatched for torch eager.", "",
            *_main_table(groups, main), ""]
-    out += ["Targets, as ratios within this run:", "", *_targets(groups, judged, sgemm, main), ""]
-    if sgemm:
+    out += ["Targets, as ratios within this run:", "", *_targets(groups, judged, main), ""]
+    if any(r.reference for r in results):
         out += ["Achieved GFLOP/s (2·multiply-adds of forward and backward per step / time) against plain "
-                "float32 matmuls of the biggest layer (numpy's BLAS, ORT's MLAS), same threads, same run:", "",
-                *_gflops(groups, main, sgemm), ""]
+                "float32 matmuls of the biggest layer (numpy's BLAS, ORT's MLAS) timed in the same rounds, same "
+                "threads; shares are paired ratios like the times:", "", *_gflops(groups, main), ""]
     if len(mem_lines) > 2:
         out += ["Memory: psutil RSS growth in a fresh process (`python -m onnxopt.bench.memory W C`, median of "
                 "3) from setup (onnxopt: from `Runner(step)`) to the end of the first epoch, against float32 "
@@ -264,7 +278,7 @@ def plot_losses(results: list[Result], workloads: list[Workload], path: str) -> 
               dict(lw=0.8, marker="o", ms=2, ls="-.")]
     for ax, wl in zip(axes.flat, main):
         for style, (name, r) in zip(styles, groups[wl.name].items()):
-            if r.skipped:
+            if r.skipped or r.reference:
                 continue
             means = r.epoch_means()  # NOTE: per-step losses are batch noise; epoch means show agreement
             ax.plot((np.arange(len(means)) + 1) * wl.steps, means, label=name, **style)

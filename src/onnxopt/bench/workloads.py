@@ -53,6 +53,12 @@ class Workload:
         return 1 if self.n_parameters * self.batch < 1_000_000 else (os.cpu_count() or 1)
 
     @property
+    def layer(self) -> tuple[int, int, int]:
+        """(batch, fan in, fan out) of the layer with the most weights: the matmul the W3/W5 targets compare with."""
+        k = max(range(len(self.sizes) - 1), key=lambda i: self.sizes[i] * self.sizes[i + 1])
+        return self.batch, self.sizes[k], self.sizes[k + 1]
+
+    @property
     def flops(self) -> float:
         """Multiply-adds ×2 of one full-batch step: forward, weight gradients, input gradients but the first."""
         macs = sum(a * b for a, b in zip(self.sizes[:-1], self.sizes[1:]))

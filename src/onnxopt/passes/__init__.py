@@ -8,5 +8,5 @@
 - ``fuse_update``: rewrite rules folding the update into the kernels around it (SGD into the gradient Gemm).
 - ``kernels``: built-in update rules run by onnxruntime-training's optimizer kernels (non-portable steps);
 - ``batch``: the Runner's CPU model specialized for how it feeds a batch (targets, sample weights);
-- ``epoch``: that model as the body of an ONNX Loop over an epoch's batches (``Runner.epoch``).
+- ``epoch``: that model as the body of an ONNX Scan over an epoch's batches (``Runner.epoch``).
 """
