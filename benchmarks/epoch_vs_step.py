@@ -1,4 +1,5 @@
-"""Runner.epoch (an epoch's batches in one ONNX Loop run) against one Runner.step per batch, A/B in one process.
+"""Runner.epoch (an epoch's batches in one session run: an ONNX Scan) against one Runner.step per batch,
+A/B in one process.
 
 Two runners on the same step alternate, each after a 50 ms pause and an untimed epoch, and time a block of
 epochs; the ratio is the median of the paired ratios (the pairing absorbs the machine's drift, which moves

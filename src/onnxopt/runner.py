@@ -25,7 +25,7 @@ from onnxruntime.capi import _pybind_state as C
 from onnxopt.data import as_array, check_batch_size
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError, NotDifferentiableError
 from onnxopt.passes.batch import drop_same_shape_reshapes, hoist, masked_relu_grads, shaped_target
-from onnxopt.passes.epoch import CHECK, LAST, PREFIX, epoch_model, scannable
+from onnxopt.passes.epoch import CHECK, COUNT, LAST, PREFIX, epoch_model, scannable
 from onnxopt.passes.update import PACK_WEIGHTS, flat_carry
 from onnxopt.step import NEW, STEP, TrainStep
 
@@ -414,9 +414,9 @@ class Runner:
             self._synced = [self.sync()]
         sess, raws = self._epoch_session()
         raw, first, valid = raws[self._current], self._current, self._previous_valid
-        if steps not in self._loop_io:  # NOTE: the losses' buffer per epoch length, bound once per binding
-            losses = np.empty(steps, self.dtype)
-            self._loop_io[steps] = (losses, C.OrtValue.ortvalue_from_numpy(losses, self._device))
+        if steps not in self._loop_io:  # NOTE: the losses' buffer and the Scan's count per epoch length, bound
+            arrays = np.empty(steps, self.dtype), np.array(steps - 1, np.int64)  # once per binding while it lasts
+            self._loop_io[steps] = (*arrays, *(C.OrtValue.ortvalue_from_numpy(a, self._device) for a in arrays))
         losses = self._loop_io[steps][0]
         cut = (steps - 1) * batch  # NOTE: the Scan runs all batches but the last, the outer graph the last
         for name, arr in ((self._x_name, X), (self._y_name, y)):
@@ -424,7 +424,9 @@ class Runner:
             raw.bind_ortvalue_input(PREFIX + name, C.OrtValue.ortvalue_from_numpy(head, self._device))
             raw.bind_ortvalue_input(PREFIX + name + LAST, C.OrtValue.ortvalue_from_numpy(arr[cut:], self._device))
         if self._loop_bound[first] != (steps, batch):
-            raw.bind_ortvalue_output(PREFIX + "losses", self._loop_io[steps][1])
+            raw.bind_ortvalue_output(PREFIX + "losses", self._loop_io[steps][2])
+            if any(v.name == COUNT for v in self._epoch_model.graph.input):
+                raw.bind_ortvalue_input(COUNT, self._loop_io[steps][3])
             if self._w_name is not None:
                 if batch not in self._ones:
                     self._ones[batch] = self._weight_values(np.ones(batch, self.dtype))

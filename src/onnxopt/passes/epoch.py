@@ -15,6 +15,7 @@ copying and keeps its state in preallocated buffers.
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -24,10 +25,11 @@ from onnx import helper, numpy_helper
 from onnxopt.passes.batch import RANDOM
 from onnxopt.step import NEW
 
-__all__ = ["epoch_model", "scannable", "PREFIX", "LAST", "CHECK"]
+__all__ = ["epoch_model", "scannable", "PREFIX", "LAST", "CHECK", "COUNT"]
 
 PREFIX = "epoch."  # NOTE: outer names differ from the body's: ONNX forbids a subgraph to shadow outer names
 LAST = ".last"
+COUNT = PREFIX + "count"  # NOTE: the Scan's iterations (batches but the last), an input when counters need it
 CHECK = PREFIX + "check"  # NOTE: the sum of the losses and new float tensors: finite when they all are
 
 
@@ -92,25 +94,47 @@ def _check(names: list[str], infos: list[onnx.ValueInfoProto]) -> list[onnx.Node
     return [*nodes, helper.make_node("Sum", sums, [CHECK])]
 
 
+def _counters(g: onnx.GraphProto, carried: list[str]) -> dict[str, tuple[onnx.NodeProto, str]]:
+    """Carried tensors the step reads only to add an int64 constant to (the step counter of a rule that does
+    not read it): {name: (that Add, the constant's initializer)}. The Scan leaves them out; the outer graph
+    adds the constant times its iteration count once."""
+    inits = {t.name: t for t in g.initializer}
+    uses = collections.Counter(v for n in g.node for v in n.input)
+    found = {}
+    for node in g.node:
+        name = node.output[0].removesuffix(NEW) if node.op_type == "Add" else None
+        other = [v for v in node.input if v != name]
+        if name in carried and name in node.input and len(other) == 1 and other[0] in inits \
+                and inits[other[0]].data_type == onnx.TensorProto.INT64 and uses[name] == 1 \
+                and not uses[node.output[0]] and node.output[0] == name + NEW:
+            found[name] = (node, other[0])
+    return found
+
+
 def epoch_model(model: onnx.ModelProto, batch_inputs: list[str], carried: list[str],
                 views: tuple[str, list[tuple[str, tuple[int, ...]]]] | None, loss: str) -> onnx.ModelProto:
     """The model running ``model`` once per batch: a Scan over all batches but the last, then the step once
     more in the outer graph on the last one, whose inputs (the Scan's final state) are outputs too.
 
     Outer inputs: ``epoch.<batch input>`` (all batches but the last, stacked), ``epoch.<batch input>.last``,
-    ``epoch.<carried>`` and the step's other inputs by name; outputs ``epoch.<carried>.new``,
+    ``epoch.<carried>``, the step's other inputs by name and ``epoch.count`` (``COUNT``, the Scan's
+    iterations) when a counter is left out of the Scan (``_counters``); outputs ``epoch.<carried>.new``,
     ``epoch.<carried>.last`` (the last step's inputs), ``epoch.losses`` and ``epoch.check`` (``CHECK``). ``views``: a carried pack and its
     members' (name, shape), in order, which the step reads as inputs."""
     g = model.graph
     inputs, outputs = {v.name: v for v in g.input}, {v.name: v for v in g.output}
     pack, members = views or (None, [])
     nodes, consts = _views(pack, members, lambda v: v)
+    counters = _counters(g, carried)
+    state = [n for n in carried if n not in counters]
+    skip = {id(node) for node, _ in counters.values()}
     # NOTE: Scan wants every body output's shape: a carried tensor keeps its input's
     body = helper.make_graph(
-        [*nodes, *g.node], "epoch_body", [*(inputs[n] for n in carried), *(inputs[n] for n in batch_inputs)],
-        [*(_info(n + NEW, inputs[n]) for n in carried), outputs[loss]], [*g.initializer, *consts])
-    scan = helper.make_node("Scan", [*(PREFIX + n for n in carried), *(PREFIX + n for n in batch_inputs)],
-                            [*(PREFIX + n + LAST for n in carried), PREFIX + "losses.scan"], body=body,
+        [*nodes, *(n for n in g.node if id(n) not in skip)], "epoch_body",
+        [*(inputs[n] for n in state), *(inputs[n] for n in batch_inputs)],
+        [*(_info(n + NEW, inputs[n]) for n in state), outputs[loss]], [*g.initializer, *consts])
+    scan = helper.make_node("Scan", [*(PREFIX + n for n in state), *(PREFIX + n for n in batch_inputs)],
+                            [*(PREFIX + n + LAST for n in state), PREFIX + "losses.scan"], body=body,
                             num_scan_inputs=len(batch_inputs))
     # NOTE: the last step, renamed: outer names may not be shadowed by the body's
     inner = {*batch_inputs, *carried, *(m for m, _ in members)}
@@ -125,14 +149,17 @@ def epoch_model(model: onnx.ModelProto, batch_inputs: list[str], carried: list[s
         copy.CopyFrom(init)
         copy.name = last(init.name)
         consts.append(copy)
-    tail = [*view_nodes, *_renamed(g, names, last),
+    count = [helper.make_node("Mul", [last(k), COUNT], [PREFIX + n + ".advance"]) for n, (_, k) in counters.items()]
+    count += [helper.make_node("Add", [PREFIX + n, PREFIX + n + ".advance"], [PREFIX + n + LAST]) for n in counters]
+    tail = [*count, *view_nodes, *_renamed(g, names, last),
             helper.make_node("Reshape", [last(loss), PREFIX + "loss.shape"], [PREFIX + "loss.last"]),
             helper.make_node("Concat", [PREFIX + "losses.scan", PREFIX + "loss.last"], [PREFIX + "losses"], axis=0),
             *_check([PREFIX + "losses", *(PREFIX + n + NEW for n in carried)],
                     [outputs[loss], *(inputs[n] for n in carried)])]
     outer = [*(_info(PREFIX + n, inputs[n], (None,)) for n in batch_inputs),
              *(_info(PREFIX + n + LAST, inputs[n]) for n in batch_inputs),
-             *(_info(PREFIX + n, inputs[n]) for n in carried), *(v for v in g.input if v.name not in inner)]
+             *(_info(PREFIX + n, inputs[n]) for n in carried), *(v for v in g.input if v.name not in inner),
+             *([helper.make_tensor_value_info(COUNT, onnx.TensorProto.INT64, [])] if counters else [])]
     results = [*(_info(PREFIX + n + NEW, inputs[n]) for n in carried),
                *(_info(PREFIX + n + LAST, inputs[n]) for n in carried), _info(PREFIX + "losses", outputs[loss], (None,)),
                _info(CHECK, outputs[loss])]
