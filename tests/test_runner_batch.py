@@ -1,6 +1,7 @@
 """The Runner's CPU model (runner.cpu_model, passes/batch.py): sample-weight values hoisted out of the step,
 the target fed shaped like the prediction. The reference is ``step.model`` itself in a plain session, run after
-run: the specialized model must give the same numbers bit for bit, with and without sample weights."""
+run: the specialized model must give the same numbers bit for bit, with and without sample weights (but the
+bias sums of a session on threads, the same to float rounding)."""
 
 import collections
 
@@ -11,7 +12,7 @@ import onnxopt
 from onnxopt.dsl import op
 from onnxopt.errors import DataError
 from onnxopt.examples import mlp
-from onnxopt.runner import cpu_model
+from onnxopt.runner import cpu_model, default_session_options
 
 from helpers import run_once
 
@@ -95,7 +96,8 @@ def test_large_relu_gradients_become_masked_products_bit_for_bit(rng):
     assert small["ReluGrad"] == 2 and small["Greater"] == 0
     large = collections.Counter(n.op_type for n in cpu_model(step, batch_size=batch).model.graph.node)
     assert large["ReluGrad"] == 0 and large["Greater"] == large["Cast"] == 2
-    runner = onnxopt.Runner(step, batch_size=batch)
+    one_thread = default_session_options(1)  # NOTE: on threads the bias sums change too (test below)
+    runner = onnxopt.Runner(step, batch_size=batch, session_options=one_thread)
     X = rng.normal(size=(batch, 8)).astype(np.float32)
     y = rng.normal(size=batch).astype(np.float32)
     weights = step.initial_weights()
@@ -107,3 +109,26 @@ def test_large_relu_gradients_become_masked_products_bit_for_bit(rng):
         weights = {n: ref[n + ".new"] for n in step.weights}
     for name, value in runner.get_weights().items():
         np.testing.assert_array_equal(value, weights[name], err_msg=name)
+
+
+def test_bias_sums_on_threads_are_products_with_ones(rng):
+    """On two threads or more, ReduceSum over the rows of a bias gradient runs as ones · g (passes/batch.py
+    summed_rows: onnxruntime 1.19's parallel ReduceSum is slow there): the same losses and weights as
+    step.model in a plain session to float rounding, run after run; on one thread the ReduceSums stay."""
+    step = onnxopt.compile_train_step(mlp([8, 64, 32, 1], seed=5), loss="square", learning_rate=0.01)
+    reduce_sums = lambda m: collections.Counter(n.op_type for n in m.graph.node)["ReduceSum"]  # noqa: E731
+    one, two = cpu_model(step, 64, threads=1).model, cpu_model(step, 64, threads=2).model
+    assert reduce_sums(one) - reduce_sums(two) == 3  # NOTE: the three bias gradients; the loss's stay
+    assert collections.Counter(n.op_type for n in two.graph.node)["ConstantOfShape"] == 3
+    threaded = default_session_options(1)
+    threaded.intra_op_num_threads = 2
+    runner = onnxopt.Runner(step, batch_size=64, session_options=threaded)
+    weights = step.initial_weights()
+    for k, batch in enumerate((64, 64, 17)):  # NOTE: a shorter batch: the ones follow the rows
+        X = rng.normal(size=(batch, 8)).astype(np.float32)
+        y = rng.normal(size=batch).astype(np.float32)
+        ref = run_once(step, X, y, weights=weights, step_count=k)
+        np.testing.assert_allclose(runner.step(X, y), ref["loss"], rtol=1e-6)
+        for name, value in runner.get_weights().items():
+            np.testing.assert_allclose(value, ref[name + ".new"], rtol=1e-5, atol=1e-7, err_msg=name)
+        weights = runner.get_weights()  # NOTE: the next reference step starts from the runner's weights
