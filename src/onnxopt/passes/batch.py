@@ -136,13 +136,17 @@ def masked_relu_grads(model: ir.Model, batch_size: int) -> int:
         tape = ir.tape.Tape()
         zero = tape.op("Constant", [], {"value": ir.tensor(np.array(0, y.dtype.numpy()))})
         mask = tape.op("Cast", [tape.op("Greater", [y, zero])], {"to": y.dtype})
-        out = tape.op("Mul", [dy, mask])
-        model.graph.insert_before(node, tape.nodes)
-        out.type, out.shape = node.outputs[0].type, node.outputs[0].shape
-        ir.convenience.replace_all_uses_with(node.outputs[0], out, replace_graph_outputs=True)
-        model.graph.remove(node, safe=True)
+        _replace(model, node, tape, tape.op("Mul", [dy, mask]))
         done += 1
     return done
+
+
+def _replace(model: ir.Model, node: ir.Node, tape: ir.tape.Tape, out: ir.Value) -> None:
+    """Puts ``tape``'s nodes before ``node``, whose only output ``out`` replaces, and removes ``node``."""
+    model.graph.insert_before(node, tape.nodes)
+    out.type, out.shape = node.outputs[0].type, node.outputs[0].shape
+    ir.convenience.replace_all_uses_with(node.outputs[0], out, replace_graph_outputs=True)
+    model.graph.remove(node, safe=True)
 
 
 def summed_rows(model: ir.Model) -> int:
@@ -164,10 +168,6 @@ def summed_rows(model: ir.Model) -> int:
         tape = ir.tape.Tape()
         rows = tape.op("Shape", [g], {"start": 0, "end": 1})
         ones = tape.op("ConstantOfShape", [rows], {"value": ir.tensor(np.ones(1, g.dtype.numpy()))})
-        out = tape.op("MatMul", [ones, g])
-        model.graph.insert_before(node, tape.nodes)
-        out.type, out.shape = node.outputs[0].type, node.outputs[0].shape
-        ir.convenience.replace_all_uses_with(node.outputs[0], out, replace_graph_outputs=True)
-        model.graph.remove(node, safe=True)
+        _replace(model, node, tape, tape.op("MatMul", [ones, g]))
         done += 1
     return done
