@@ -113,8 +113,8 @@ def cpu_model(step: TrainStep, batch_size: int = 32, threads: int = 1) -> CpuMod
             next(v for v in model.graph.inputs if v.name == name).shape = ir.Shape(dims)
     if found is not None or target_shape is not None:
         drop_same_shape_reshapes(model)
-    masked = masked_relu_grads(model, batch_size) + (summed_rows(model) if threads > 1 else 0)
-    changed = packs or found is not None or target_shape is not None or masked
+    rewritten = masked_relu_grads(model, batch_size) + (summed_rows(model) if threads > 1 else 0)
+    changed = packs or found is not None or target_shape is not None or rewritten
     return CpuModel(ir.to_proto(model) if changed else step.model, packs, side, hoisted, weighted, kept,
                     target_shape)
 
