@@ -8,6 +8,7 @@ torch.optim's formulas. Hyper-parameters are mostly dyadic numbers (exact in flo
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -244,6 +245,15 @@ def test_builtin_loss_one_step(name, weighted, dtype, rng):
         assert out[wname + ".new"].dtype == dtype
         np.testing.assert_allclose(out[wname + ".new"], w0[wname] - LR * grads[wname], **tol, err_msg=wname)
     assert out["optim.step.new"] == 1
+
+
+def test_cross_entropy_on_indices_runs_its_written_gradient():
+    """cross_entropy on class indices gives its loss and gradient in its own nodes (``elementwise``: the
+    finite-difference checks above cover them); one-hot targets keep the builder's derivation."""
+    ops = lambda name: collections.Counter(n.op_type for n in _compiled_loss_step(name, np.float32).model.graph.node)  # noqa: E731
+    index, onehot = ops("cross_entropy_index"), ops("cross_entropy_onehot")
+    assert index["ScatterElements"] == 1 and index["GatherElementsGrad"] == 0
+    assert sum(index.values()) + 5 < sum(onehot.values())
 
 
 def test_sample_weights_change_the_step(rng):

@@ -109,9 +109,10 @@ def _loss_and_grad(model: ir.Model, loss: Loss, y: ir.Value, t: ir.Value, sw: ir
 def _elementwise_loss(model: ir.Model, loss: Loss, y: ir.Value, t: ir.Value, sw: ir.Value) -> tuple | None:
     """Loss and dloss/dy from the loss's ``elementwise`` form, c_ik = s_i (/Σs) (/K); None if it does not apply."""
     k = y.shape[-1] if y.shape is not None and len(y.shape) == 2 else (1 if y.shape is not None and len(y.shape) == 1 else None)
-    if loss.elementwise is None or loss.grad is not None or (loss.per_output == "one" and k != 1):
+    if loss.elementwise is None or loss.grad is not None or (loss.per_output == "one" and k != 1) \
+            or (loss.per_output == "sample" and (y.shape is None or len(y.shape) != 2)):
         return None
-    y2, t2 = graphs.call(model, flat_pair, [y, t], {}, "loss/flat", 2)
+    y2, t2 = (y, t) if loss.per_output == "sample" else graphs.call(model, flat_pair, [y, t], {}, "loss/flat", 2)
     tape = _RegionTape(model.graph, "loss")
     w = tape.op("Reshape", [sw, tape.op("Constant", [], {"value": ir.tensor(np.array([-1, 1], np.int64))})])
     if loss.reduction == "mean":

@@ -135,7 +135,9 @@ class Loss(_Decl):
     # and per-element weights c: the fuser then emits loss and gradient in ~10 nodes where the builder's
     # derivation of ``fn`` + reduction takes ~25 (one ORT kernel each, every step).
     elementwise: _Fn | None = None
-    per_output: str = "mean"  # how ``fn`` treats a sample's K outputs: "mean", "sum", "one" (needs K = 1)
+    # NOTE: how ``fn`` treats a sample's K outputs: "mean", "sum", "one" (needs K = 1), or "sample" (one loss
+    # from all K: ``elementwise`` then reads y as (N, K), the target as given and c as (N, 1))
+    per_output: str = "mean"
 
     @property
     def weighted(self) -> bool:

@@ -168,6 +168,16 @@ def cross_entropy_index(y, t):
 
 
 @script(DOMAIN)
+def cross_entropy_index_elementwise(y, t, c):
+    """``cross_entropy_index`` weighted by c (N, 1), and its gradient c·(softmax(y) − onehot(t)): the builder's
+    derivation of the same formula, without its bookkeeping (~10 kernels against ~25)."""
+    logp = _log_softmax(y)
+    idx = op.Reshape(t, op.Constant(value_ints=[-1, 1]))
+    value = op.Neg(op.ReduceSum(op.Mul(op.GatherElements(logp, idx, axis=1), c), keepdims=0))
+    return value, op.ScatterElements(op.Mul(op.Exp(logp), c), idx, op.Neg(c), axis=1, reduction="add")
+
+
+@script(DOMAIN)
 def cross_entropy_onehot(y, t):
     logp = _log_softmax(y)
     return op.Neg(op.ReduceSum(op.Mul(op.CastLike(t, logp), logp), op.Constant(value_ints=[1]), keepdims=0))
@@ -234,8 +244,10 @@ def cross_entropy(from_logits: bool = True, one_hot: bool = False, eps: float = 
     _reduction("cross_entropy", reduction)
     target = "float" if one_hot else "index"
     if from_logits:
-        fn = cross_entropy_onehot if one_hot else cross_entropy_index
-        return Loss("cross_entropy", fn, reduction=reduction, target=target)
+        if one_hot:
+            return Loss("cross_entropy", cross_entropy_onehot, reduction=reduction, target=target)
+        return Loss("cross_entropy", cross_entropy_index, reduction=reduction, target=target,
+                    elementwise=cross_entropy_index_elementwise, per_output="sample")
     fn = nll_onehot if one_hot else nll_index
     return Loss("cross_entropy", fn, reduction=reduction, target=target)(eps=eps)
 
