@@ -359,7 +359,7 @@ class Runner:
 
         On CPU, for small steps (parameters × batch below ``SMALL_STEP``, where a run's fixed costs weigh), the
         full batches run in one session run, the step inside an ONNX ``Scan`` (``passes.epoch``): the numbers
-        of one ``step`` per batch, bit for bit, without a run, binds and Python per batch. The Scan leaves its
+        of one ``step`` per batch, bit for bit, without a run, binds and Python per batch. The epoch leaves its
         last step's inputs in the buffer set before the current one, as steps do; a NaN or infinite loss or
         weight replays the batches with ``step`` from the epoch's first weights, so the error raised
         (ConvergenceError, naming the batch) and the weights kept are always ``step``'s.

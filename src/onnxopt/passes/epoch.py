@@ -1,16 +1,17 @@
 """An epoch as one model: the Runner's CPU step as the body of an ONNX ``Scan`` over stacked batches.
 
 ``epoch_model`` wraps a step whose per-batch inputs are ``batch_inputs`` (X, the target): the Scan slices
-batch ``i`` of ``epoch.<input>`` (shape ``(steps, batch, ...)``), carries the step's carried tensors
-(``<name>`` -> ``<name>.new``) from ``epoch.<name>`` to ``epoch.<name>.new``, passes each iteration's
-carried inputs through (``epoch.<name>.last``: the last step's inputs, which a diverging next step goes
-back to) and stacks the losses in ``epoch.losses``. A pack's members (weights bound as views of it in the
-step, ``passes.update``) come from a ``Split`` of the carried pack (and a ``Reshape`` for those of two or
-more dimensions). Every other input (hoisted sample-weight values, constants) is read from the outer
-scope, so it is bound once per epoch. The body is the step's graph, node for node: the losses and weights
-are those of one run per batch, bit for bit (tests/test_epoch.py). A ``Loop`` with a ``Gather`` of the
-batch gave the same numbers 12-25% slower a step (onnxruntime 1.19): ``Scan`` slices its inputs without
-copying and keeps its state in preallocated buffers.
+batch ``i`` of ``epoch.<input>`` (all full batches but the last, shape ``(steps - 1, batch, ...)``) and
+carries the step's carried tensors (``<name>`` -> ``<name>.new``); the step then runs once more in the
+outer graph on ``epoch.<input>.last``, so the Scan's final state, that last step's inputs, is an output
+(``epoch.<name>.last``: what a diverging next step goes back to) next to ``epoch.<name>.new``. The losses
+are stacked in ``epoch.losses`` and summed with every new float tensor in ``epoch.check``. A pack's
+members (weights bound as views of it in the step, ``passes.update``) come from a ``Split`` of the carried
+pack (and a ``Reshape`` for those of two or more dimensions). Every other input (hoisted sample-weight
+values, constants) is read from the outer scope, so it is bound once per epoch. The body is the step's
+graph, node for node: the losses and weights are those of one run per batch, bit for bit
+(tests/test_epoch.py). A ``Loop`` with a ``Gather`` of the batch gave the same numbers 6-21% slower a step
+(onnxruntime 1.19): ``Scan`` slices its inputs without copying and keeps its state in preallocated buffers.
 """
 
 from __future__ import annotations
