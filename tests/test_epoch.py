@@ -191,3 +191,19 @@ def test_epoch_refuses_bad_batches_like_step(data):
     for name, value in runner.get_weights().items():  # NOTE: refused before any step ran
         np.testing.assert_array_equal(value, weights[name], err_msg=name)
     assert runner.step_count == 0
+
+
+def test_sgd_biases_are_carried_as_rows_bit_for_bit(data):
+    """A bias whose SGD update is one Gemm with a ones row (passes/batch.py row_sum_updates) is carried by the
+    Scan as a (1, n) row, so its Reshape leaves the body: the losses and weights stay those of one step per
+    batch, bit for bit, through epochs of two batch lengths."""
+    X, y = data[0], data[1]
+    looped, stepped = _pair(onnxopt.compile_train_step(mlp([4, 6, 3, 1], seed=1), loss="square", update="sgd",
+                                                       learning_rate=0.05), batch_size=8)
+    for batch in (8, 10, 8):
+        np.testing.assert_array_equal(looped.epoch(X, y, batch_size=batch), _per_step(stepped, X, y, batch))
+    _assert_same(looped, stepped)
+    body = next(n for n in looped._epoch_model.graph.node if n.op_type == "Scan").attribute[0].g
+    rows = [[d.dim_value for d in v.type.tensor_type.shape.dim] for v in body.input]
+    assert sorted(r for r in rows if r[:1] == [1]) == [[1, 1], [1, 3], [1, 6]]
+    assert "Reshape" not in {n.op_type for n in body.node}

@@ -66,7 +66,8 @@ def test_cpu_model_drops_the_loss_bookkeeping():
     after = _ops(step)
     cpu = cpu_model(step)
     assert cpu.target_shape == (1,) and cpu.hoisted and not cpu.weight_kept
-    assert before["Shape"] >= 1 and after["Shape"] == 0 and after["Reshape"] == 0  # NOTE: Reshape(target/sw/dy)
+    assert before["Shape"] >= 1 and after["Shape"] == 0  # NOTE: Reshape(target/sw/dy) go; the two left flatten
+    assert after["Reshape"] == 2 and after["SGDOptimizer"] == 0  # NOTE: the biases' Gemm rows (row_sum_updates)
     assert sum(after.values()) <= sum(before.values()) - 6, (before, after)
 
 
@@ -90,7 +91,7 @@ def test_large_relu_gradients_become_masked_products_bit_for_bit(rng):
     width, batch = 256, 64
     assert width * batch >= LARGE_RELU_GRAD > width * 4
     step = onnxopt.compile_train_step(mlp([8, width, width, 1], activation="Relu", seed=3), loss="square",
-                                      learning_rate=0.01)
+                                      update="adam", learning_rate=0.01)  # NOTE: SGD's biases change (below)
     assert collections.Counter(n.op_type for n in step.model.graph.node)["ReluGrad"] == 2  # NOTE: the step keeps them
     small = collections.Counter(n.op_type for n in cpu_model(step, batch_size=4).model.graph.node)
     assert small["ReluGrad"] == 2 and small["Greater"] == 0
@@ -103,10 +104,12 @@ def test_large_relu_gradients_become_masked_products_bit_for_bit(rng):
     weights = step.initial_weights()
     hidden = np.maximum(X @ weights[next(n for n in step.weights if weights[n].shape == (8, width))], 0)
     assert 0.2 < (hidden == 0).mean() < 0.8  # NOTE: a random mask, the case the rewrite is for
+    state = {}
     for k in range(4):
-        ref = run_once(step, X, y, weights=weights, step_count=k)
+        ref = run_once(step, X, y, weights=weights, state=state, step_count=k)
         assert runner.step(X, y) == ref["loss"]
         weights = {n: ref[n + ".new"] for n in step.weights}
+        state = {n: ref[n + ".new"] for n in step.state if n != "optim.step"}
     for name, value in runner.get_weights().items():
         np.testing.assert_array_equal(value, weights[name], err_msg=name)
 
@@ -115,7 +118,8 @@ def test_bias_sums_on_threads_are_products_with_ones(rng):
     """On two threads or more, ReduceSum over the rows of a bias gradient runs as ones · g (passes/batch.py
     summed_rows: onnxruntime 1.19's parallel ReduceSum is slow there): the same losses and weights as
     step.model in a plain session to float rounding, run after run; on one thread the ReduceSums stay."""
-    step = onnxopt.compile_train_step(mlp([8, 64, 32, 1], seed=5), loss="square", learning_rate=0.01)
+    step = onnxopt.compile_train_step(mlp([8, 64, 32, 1], seed=5), loss="square", update="adam",
+                                      learning_rate=0.01)  # NOTE: with SGD the bias sums become updates (below)
     reduce_sums = lambda m: collections.Counter(n.op_type for n in m.graph.node)["ReduceSum"]  # noqa: E731
     one, two = cpu_model(step, 64, threads=1).model, cpu_model(step, 64, threads=2).model
     assert reduce_sums(one) - reduce_sums(two) == 3  # NOTE: the three bias gradients; the loss's stay
@@ -123,12 +127,41 @@ def test_bias_sums_on_threads_are_products_with_ones(rng):
     threaded = default_session_options(1)
     threaded.intra_op_num_threads = 2
     runner = onnxopt.Runner(step, batch_size=64, session_options=threaded)
-    weights = step.initial_weights()
-    for k, batch in enumerate((64, 64, 17)):  # NOTE: a shorter batch: the ones follow the rows
+    _close_to_the_step(step, runner, rng, [(64, None), (64, None), (17, None)])  # NOTE: the ones follow the rows
+
+
+def _close_to_the_step(step, runner, rng, batches):
+    """Runs ``runner`` on random batches of (rows, sample weights): each step's loss, weights and state equal
+    ``step.model``'s in a plain session from the runner's values before it, to float rounding."""
+    weights, state = step.initial_weights(), {}
+    for k, (batch, sw) in enumerate(batches):
         X = rng.normal(size=(batch, 8)).astype(np.float32)
         y = rng.normal(size=batch).astype(np.float32)
-        ref = run_once(step, X, y, weights=weights, step_count=k)
-        np.testing.assert_allclose(runner.step(X, y), ref["loss"], rtol=1e-6)
-        for name, value in runner.get_weights().items():
+        ref = run_once(step, X, y, sample_weight=sw, weights=weights, state=state, step_count=k)
+        np.testing.assert_allclose(runner.step(X, y, sample_weight=sw), ref["loss"], rtol=1e-6)
+        for name, value in {**runner.get_weights(), **runner.get_state()}.items():
             np.testing.assert_allclose(value, ref[name + ".new"], rtol=1e-5, atol=1e-7, err_msg=name)
-        weights = runner.get_weights()  # NOTE: the next reference step starts from the runner's weights
+        weights, state = runner.get_weights(), runner.get_state()  # NOTE: the next step starts from the runner's
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_sgd_bias_updates_are_gemms_with_a_ones_row(rng, portable):
+    """SGD with a constant rate on a dense layer's bias, b - lr·Σ_rows g, runs as one Gemm(ones, g, C=b) in the
+    Runner's model (passes/batch.py row_sum_updates; SGDOptimizer, or Mul and Sub when portable, before), the
+    ones computed once per batch length from the sample weights: the same losses and weights as step.model in
+    a plain session to float rounding, with a shorter batch and with sample weights. A schedule, whose rate is
+    no constant, keeps the step's update."""
+    from onnxopt.passes.batch import ROW
+
+    step = onnxopt.compile_train_step(mlp([8, 16, 4, 1], seed=7), loss="square", update="sgd", learning_rate=0.05,
+                                      portable=portable)
+    ops = lambda m: collections.Counter(n.op_type for n in m.graph.node)  # noqa: E731
+    cpu = cpu_model(step, 16)
+    assert ops(cpu.model)["Gemm"] == ops(step.model)["Gemm"] + 3 and ops(cpu.model)["SGDOptimizer"] == 0
+    assert ROW in cpu.hoisted and cpu.weighted is not None
+    runner = onnxopt.Runner(step, batch_size=16, session_options=default_session_options(1))
+    _close_to_the_step(step, runner, rng, [(16, None), (16, np.linspace(0.5, 2, 16).astype(np.float32)),
+                                           (5, None), (16, None)])
+    scheduled = onnxopt.compile_train_step(mlp([8, 16, 4, 1], seed=7), loss="square", update="sgd",
+                                           learning_rate=onnxopt.dsl.schedules.invscaling(0.05), portable=portable)
+    assert ops(cpu_model(scheduled, 16).model)["Gemm"] == ops(scheduled.model)["Gemm"]

@@ -24,7 +24,8 @@ from onnxruntime.capi import _pybind_state as C
 
 from onnxopt.data import as_array, check_batch_size
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError, NotDifferentiableError
-from onnxopt.passes.batch import drop_same_shape_reshapes, hoist, masked_relu_grads, shaped_target, summed_rows
+from onnxopt.passes.batch import (drop_same_shape_reshapes, hoist, masked_relu_grads, row_sum_updates, shaped_target,
+                                  summed_rows)
 from onnxopt.passes.epoch import CHECK, COUNT, LAST, PREFIX, epoch_model, scannable
 from onnxopt.passes.update import PACK_WEIGHTS, flat_carry
 from onnxopt.step import NEW, STEP, TrainStep
@@ -98,6 +99,8 @@ def cpu_model(step: TrainStep, batch_size: int = 32, threads: int = 1) -> CpuMod
     batch = first[0].value if first is not None and len(first) and isinstance(first[0], ir.SymbolicDim) else None
     if step.target is not None and step.target_kind == "float" and batch is not None:
         target_shape = shaped_target(model, step.target, batch)
+    if step.sample_weight is not None:
+        row_sum_updates(model, step.sample_weight)
     unhoisted = ir.to_proto(model) if step.sample_weight is not None else None
     found = hoist(model, step.sample_weight) if step.sample_weight is not None else None
     if found is not None:

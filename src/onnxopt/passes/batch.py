@@ -5,7 +5,9 @@
 - ``shaped_target``: the target is fed shaped like the prediction, so ``Reshape(target, Shape(y))`` goes;
 - ``drop_same_shape_reshapes``: ``Reshape(x, Shape(y))`` where shape inference proves ``x`` has ``y``'s shape;
 - ``masked_relu_grads``: ``ReluGrad`` as ``dy · Cast(y > 0)`` where a batch makes it large;
-- ``summed_rows``: a sum over the rows of a matrix (a bias gradient) as ``ones · g`` for sessions on threads.
+- ``summed_rows``: a sum over the rows of a matrix (a bias gradient) as ``ones · g`` for sessions on threads;
+- ``row_sum_updates``: SGD on a bias, ``b - lr·Σ_rows g``, as one ``Gemm(ones, g, C=b)`` (then a ``Reshape``,
+  which an epoch's ``Scan`` drops by carrying the bias as a row: ``passes.epoch``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
-__all__ = ["RANDOM", "hoist", "shaped_target", "drop_same_shape_reshapes", "masked_relu_grads", "summed_rows"]
+from onnxopt import graphs
+from onnxopt.passes.fuse_update import scalar_value
+
+__all__ = ["RANDOM", "hoist", "shaped_target", "drop_same_shape_reshapes", "masked_relu_grads", "summed_rows",
+           "row_sum_updates", "ROW"]
 
 # NOTE: onnxruntime-training's CPU ReluGrad branches per element: once half the units are dead (a random mask)
 # it costs ~5 ns an element against ~1 ns for Greater + Cast + Mul, whose two more launches cost ~1 µs; measured
@@ -25,6 +31,8 @@ __all__ = ["RANDOM", "hoist", "shaped_target", "drop_same_shape_reshapes", "mask
 # 1.1 ms) and lose below (15x50: 3.9 against 2.8 µs)
 LARGE_RELU_GRAD = 8192
 
+
+ROW = "batch.ones_row"  # NOTE: ``row_sum_updates``' (1, rows) ones, computed from the sample weights: hoisted
 
 # NOTE: a value computed once must be the same at every step
 RANDOM = frozenset({"Bernoulli", "Dropout", "Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform",
@@ -48,7 +56,8 @@ def hoist(model: ir.Model, name: str) -> tuple[onnx.ModelProto, list[str]] | Non
                     a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
             nodes.add(node)
             pure.update(node.outputs)
-    frontier = [v for v in pure - {source} if v.is_graph_output() or any(u.node not in nodes for u in v.uses())]
+    frontier = [v for node in g if node in nodes for v in node.outputs  # NOTE: in graph order, run after run
+                if v.is_graph_output() or any(u.node not in nodes for u in v.uses())]
     if not frontier or any(v.type is None or not v.name or v.is_graph_output() for v in frontier):
         return None
     side = ir.from_proto(ir.to_proto(model))
@@ -144,8 +153,11 @@ def masked_relu_grads(model: ir.Model, batch_size: int) -> int:
 def _replace(model: ir.Model, node: ir.Node, tape: ir.tape.Tape, out: ir.Value) -> None:
     """Puts ``tape``'s nodes before ``node``, whose only output ``out`` replaces, and removes ``node``."""
     model.graph.insert_before(node, tape.nodes)
-    out.type, out.shape = node.outputs[0].type, node.outputs[0].shape
-    ir.convenience.replace_all_uses_with(node.outputs[0], out, replace_graph_outputs=True)
+    old = node.outputs[0]
+    out.type, out.shape = old.type, old.shape
+    ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
+    if old.name is not None and out.is_graph_output():  # NOTE: a step's output keeps its name
+        out.name, old.name = old.name, None
     model.graph.remove(node, safe=True)
 
 
@@ -170,4 +182,80 @@ def summed_rows(model: ir.Model) -> int:
         ones = tape.op("ConstantOfShape", [rows], {"value": ir.tensor(np.ones(1, g.dtype.numpy()))})
         _replace(model, node, tape, tape.op("MatMul", [ones, g]))
         done += 1
+    return done
+
+
+def _row_sum(value: ir.Value, rows, shapes: dict) -> ir.Value | None:
+    """``g`` when ``value`` is ``ReduceSum(g, axes=[0], keepdims=0)`` or ``MatMul(ones, g)`` (``summed_rows``)
+    of a float matrix ``g`` of ``rows`` rows (its shape in ``shapes``), else None."""
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx") or len(value.uses()) != 1:
+        return None
+    if node.op_type == "ReduceSum" and len(node.inputs) == 2 and node.inputs[1] is not None \
+            and node.inputs[1].const_value is not None and node.attributes.get_int("keepdims", 1) == 0 \
+            and node.inputs[1].const_value.numpy().tolist() in ([0], [-2]):
+        g = node.inputs[0]
+    elif node.op_type == "MatMul" and node.inputs[0].producer() is not None \
+            and node.inputs[0].producer().op_type == "ConstantOfShape":
+        g = node.inputs[1]
+    else:
+        return None
+    shape = shapes.get(g.name)
+    return g if shape is not None and len(shape) == 2 and shape[0] == rows else None
+
+
+def _sgd_parts(node: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """(b, lr, s) of an update ``SGDOptimizer(lr, b, s)`` or ``Sub(b, Mul(lr, s))``, else None."""
+    if node.op_type == "SGDOptimizer" and node.domain == "com.microsoft":
+        lr, b, s = node.inputs
+        return b, lr, s
+    if node.op_type != "Sub" or node.domain not in ("", "ai.onnx") \
+            or not node.metadata_props.get(graphs.REGION, "").startswith("update"):
+        return None
+    b, product = node.inputs
+    mul = product.producer()
+    if mul is None or mul.op_type != "Mul" or len(product.uses()) != 1:
+        return None
+    lr, s = mul.inputs if scalar_value(mul.inputs[0]) is not None else mul.inputs[::-1]
+    return b, lr, s
+
+
+def row_sum_updates(model: ir.Model, sample_weight: str) -> int:
+    """Rewrites SGD with a constant learning rate on a vector ``b`` whose gradient sums a matrix's rows (a
+    dense layer's bias), ``b - lr·ReduceSum(g, axes=[0])``, as ``Reshape(Gemm(ones, g, C=b, alpha=-lr))``: a
+    vector-matrix product of MLAS updating the bias, where a ``ReduceSum`` and an ``SGDOptimizer`` (or ``Mul``
+    and ``Sub``) ran. The (1, rows) ones are computed from input ``sample_weight``, so ``hoist`` makes them an
+    input the Runner computes once per batch length; only rows that follow the sample weights' are rewritten.
+    The sums are the same to float rounding (another summation order and the update inside it), not bit for
+    bit. Returns how many."""
+    g = model.graph
+    weights = next(v for v in g.inputs if v.name == sample_weight)
+    rows = weights.shape[0] if weights.shape is not None and len(weights.shape) == 1 else None
+    inferred = ir.from_proto(ir.to_proto(model))  # NOTE: on a copy: inferred names of unknown dimensions
+    common.ShapeInferencePass()(inferred)  # would keep drop_same_shape_reshapes from matching shapes later
+    shapes = {v.name: v.shape for node in inferred.graph for v in node.outputs}
+    ones = flat = None
+    done = 0
+    for node in list(g):
+        parts = _sgd_parts(node)
+        grad = _row_sum(parts[2], rows, shapes) if parts is not None and rows is not None else None
+        b, lr, _ = parts or (None, None, None)
+        rate = scalar_value(lr) if grad is not None else None
+        if rate is None or b.shape is None or len(b.shape) != 1 or b.dtype != grad.dtype \
+                or b.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or float(np.float32(rate)) != rate \
+                or (ones is not None and ones.dtype != b.dtype):
+            continue  # NOTE: alpha is a float32 attribute, exact only for a rate that float32 holds
+        tape = ir.tape.Tape()
+        if ones is None:
+            one = ir.Value(name=ROW + ".lead", const_value=ir.tensor(np.array([1], np.int64)))
+            g.register_initializer(one)  # NOTE: an initializer, which ``hoist`` counts as a constant
+            shape = tape.op("Concat", [one, tape.op("Shape", [weights])], {"axis": 0})
+            ones = tape.op("ConstantOfShape", [shape], {"value": ir.tensor(np.ones(1, b.dtype.numpy()))})
+            ones.name, ones.dtype = ROW, b.dtype
+            flat = tape.op("Constant", [], {"value": ir.tensor(np.array([-1], np.int64))})
+        summed = tape.op("Gemm", [ones, grad, b], {"alpha": -rate, "beta": 1.0})
+        summed.type, summed.shape = b.type, ir.Shape([1, b.shape[0]])
+        _replace(model, node, tape, tape.op("Reshape", [summed, flat]))
+        done += 1
+    common.RemoveUnusedNodesPass()(model)
     return done

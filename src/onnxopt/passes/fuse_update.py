@@ -17,10 +17,10 @@ from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
 from onnxopt import graphs
 from onnxopt.passes.kernels import sgd_kernel_rules
 
-__all__ = ["update_rules", "fuse_update"]
+__all__ = ["update_rules", "fuse_update", "scalar_value"]
 
 
-def _scalar(value: ir.Value) -> float | None:
+def scalar_value(value: ir.Value) -> float | None:
     """The value of a one-element constant (initializer or Constant node), else None."""
     tensor = value.const_value
     if tensor is None and value.producer() is not None and value.producer().op_type == "Constant":
@@ -45,7 +45,7 @@ def _sgd_gemm_check(context, w, c, a, b, grad, new, **_) -> MatchResult:
     node = grad.producer()
     if not new.producer().metadata_props.get(graphs.REGION, "").startswith("update"):
         return result.fail("not an update: a model's own x - c·Gemm(...) keeps its rounding")
-    lr = _scalar(c)
+    lr = scalar_value(c)
     if lr is None:
         return result.fail("the learning rate is not a constant (a schedule): Gemm's alpha is an attribute")
     if float(np.float32(lr)) != lr:  # NOTE: alpha is a float32 attribute: a float64 step would lose digits
@@ -60,7 +60,7 @@ def _sgd_gemm_check(context, w, c, a, b, grad, new, **_) -> MatchResult:
 
 def _sgd_as_gemm(op, w, c, a, b, grad, new):
     attrs = grad.producer().attributes
-    return op.Gemm(a, b, w, alpha=-_scalar(c), beta=1.0, transA=attrs.get_int("transA", 0),
+    return op.Gemm(a, b, w, alpha=-scalar_value(c), beta=1.0, transA=attrs.get_int("transA", 0),
                    transB=attrs.get_int("transB", 0))
 
 
@@ -70,7 +70,7 @@ def _mul(op, x, one):
 
 def _mul_by_one(context, x, one, out, **_) -> MatchResult:
     result = MatchResult()
-    if _scalar(one) != 1.0 or x.shape is None or out.shape is None or x.shape != out.shape or x.dtype != out.dtype:
+    if scalar_value(one) != 1.0 or x.shape is None or out.shape is None or x.shape != out.shape or x.dtype != out.dtype:
         return result.fail("not a multiplication by a scalar 1 that keeps the shape")
     return result
 
