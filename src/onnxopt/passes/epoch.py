@@ -143,7 +143,7 @@ def _rows(g: onnx.GraphProto, state: list[str], dims: dict[str, tuple]) -> dict[
         reshape = producers.get(name + NEW)
         gemm = producers.get(reshape.input[0]) if reshape is not None and reshape.op_type == "Reshape" else None
         if gemm is None or gemm.op_type != "Gemm" or gemm.input[0] != ROW or list(gemm.input[2:]) != [name] \
-                or len(dims.get(name, ())) != 1:
+                or len(dims.get(name, ())) != 1 or any(name + NEW in n.input for n in g.node):
             continue
         others = [n for n in g.node if name in n.input and n is not gemm]
         if all((n.op_type in ("Add", "Sub", "Mul", "Div") and len(n.input) == 2
