@@ -110,8 +110,9 @@ def test_adam_costs_about_as_many_kernels_as_sgd():
     sgd = onnxopt.compile_train_step(model, loss="square", update="sgd", learning_rate=0.01)
     adam = onnxopt.compile_train_step(model, loss="square", update="adam", learning_rate=0.001)
     n_sgd, n_adam = ort_kernels(runner_model(sgd)), ort_kernels(runner_model(adam))
-    # NOTE: 39 and 118 before these passes, 31 and 49 before the optimizer kernels and cpu_model
-    assert n_sgd <= 22 and n_adam <= 25, (n_sgd, n_adam)
+    # NOTE: 39 and 118 before these passes, 31 and 49 before the optimizer kernels and cpu_model; cpu_model's
+    # ReluGrads are Sign + Mul (2 kernels, without the branch per element: faster)
+    assert n_sgd <= 24 and n_adam <= 27, (n_sgd, n_adam)
 
 
 @pytest.mark.parametrize("dtype, lr, fused", [(np.float32, 0.01, True), (np.float64, 0.01, False),
