@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -25,8 +24,8 @@ __all__ = ["RANDOM", "hoist", "shaped_target", "drop_same_shape_reshapes", "mask
            "row_sum_updates", "ROW"]
 
 # NOTE: onnxruntime-training's CPU ReluGrad branches per element: once half the units are dead (a random mask)
-# it costs ~5 ns an element against ~1 ns for Sign + Mul; measured, the two kernels win from small sizes on
-# (W1's 15x50 and 15x10 together: 0.92-0.94 of its Scan step; 4096x50: 0.21 against 1.1 ms with Greater + Cast + Mul)
+# it costs ~5 ns an element (4096x50: 1.1 ms, against 0.21 ms for the Greater + Cast + Mul used before Sign);
+# in W1's Scan (15x50 and 15x10) Sign + Mul take 0.91-0.93 of the step's time
 ROW = "batch.ones_row"  # NOTE: ``row_sum_updates``' (1, rows) ones, computed from the sample weights: hoisted
 
 # NOTE: a value computed once must be the same at every step
@@ -175,20 +174,15 @@ def summed_rows(model: ir.Model) -> int:
 
 
 def _row_sum(value: ir.Value, rows, shapes: dict) -> ir.Value | None:
-    """``g`` when ``value`` is ``ReduceSum(g, axes=[0], keepdims=0)`` or ``MatMul(ones, g)`` (``summed_rows``)
-    of a float matrix ``g`` of ``rows`` rows (its shape in ``shapes``), else None."""
+    """``g`` when ``value`` is ``ReduceSum(g, axes=[0], keepdims=0)`` of a matrix ``g`` of ``rows`` rows (its
+    shape in ``shapes``), else None."""
     node = value.producer()
-    if node is None or node.domain not in ("", "ai.onnx") or len(value.uses()) != 1:
+    axes = node.inputs[1] if node is not None and len(node.inputs) == 2 else None
+    if axes is None or node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx") or len(value.uses()) != 1 \
+            or axes.const_value is None or node.attributes.get_int("keepdims", 1) != 0 \
+            or axes.const_value.numpy().tolist() not in ([0], [-2]):
         return None
-    if node.op_type == "ReduceSum" and len(node.inputs) == 2 and node.inputs[1] is not None \
-            and node.inputs[1].const_value is not None and node.attributes.get_int("keepdims", 1) == 0 \
-            and node.inputs[1].const_value.numpy().tolist() in ([0], [-2]):
-        g = node.inputs[0]
-    elif node.op_type == "MatMul" and node.inputs[0].producer() is not None \
-            and node.inputs[0].producer().op_type == "ConstantOfShape":
-        g = node.inputs[1]
-    else:
-        return None
+    g = node.inputs[0]
     shape = shapes.get(g.name)
     return g if shape is not None and len(shape) == 2 and shape[0] == rows else None
 
