@@ -83,15 +83,22 @@ def test_a_target_of_the_wrong_size_is_a_data_error_naming_y(data):
     assert np.isfinite(runner.step(X[:10], y[:10]))
 
 
-def test_relu_gradients_become_sign_products_bit_for_bit(rng):
-    """ReluGrad of a Relu's output runs as dy · Sign(y) (passes/batch.py masked_relu_grads): same losses and
-    weights as step.model (the builder's ReluGrad) run by a plain session, with half the units dead."""
-    width, batch = 256, 64
+@pytest.mark.parametrize("batch", [4, 64])
+def test_relu_gradients_become_masked_products_bit_for_bit(rng, batch):
+    """ReluGrad runs as dy · Cast(y > 0) where a batch makes it large (passes/batch.py LARGE_RELU_GRAD), else
+    as dy · Sign(y) of the Relu's output: same losses and weights as step.model (the builder's ReluGrad) run by a
+    plain session, with half the units dead."""
+    from onnxopt.passes.batch import LARGE_RELU_GRAD
+
+    width = 256
+    assert width * 64 >= LARGE_RELU_GRAD > width * 4
     step = onnxopt.compile_train_step(mlp([8, width, width, 1], activation="Relu", seed=3), loss="square",
                                       update="adam", learning_rate=0.01)  # NOTE: SGD's biases change (below)
     assert collections.Counter(n.op_type for n in step.model.graph.node)["ReluGrad"] == 2  # NOTE: the step keeps them
-    ops = collections.Counter(n.op_type for n in cpu_model(step).model.graph.node)
-    assert ops["ReluGrad"] == 0 and ops["Sign"] == 2
+    ops = collections.Counter(n.op_type for n in cpu_model(step, batch_size=batch).model.graph.node)
+    large = batch * width >= LARGE_RELU_GRAD
+    assert ops["ReluGrad"] == 0 and ops["Greater"] == ops["Cast"] == (2 if large else 0)
+    assert ops["Sign"] == (0 if large else 2)
     one_thread = default_session_options(1)  # NOTE: on threads the bias sums change too (test below)
     runner = onnxopt.Runner(step, batch_size=batch, session_options=one_thread)
     X = rng.normal(size=(batch, 8)).astype(np.float32)
@@ -116,7 +123,7 @@ def test_bias_sums_on_threads_are_products_with_ones(rng):
     step = onnxopt.compile_train_step(mlp([8, 64, 32, 1], seed=5), loss="square", update="adam",
                                       learning_rate=0.01)  # NOTE: with SGD the bias sums become updates (below)
     reduce_sums = lambda m: collections.Counter(n.op_type for n in m.graph.node)["ReduceSum"]  # noqa: E731
-    one, two = cpu_model(step, threads=1).model, cpu_model(step, threads=2).model
+    one, two = cpu_model(step, 64, threads=1).model, cpu_model(step, 64, threads=2).model
     assert reduce_sums(one) - reduce_sums(two) == 3  # NOTE: the three bias gradients; the loss's stay
     assert collections.Counter(n.op_type for n in two.graph.node)["ConstantOfShape"] == 3
     threaded = default_session_options(1)
@@ -151,7 +158,7 @@ def test_sgd_bias_updates_are_gemms_with_a_ones_row(rng, portable):
     step = onnxopt.compile_train_step(mlp([8, 16, 4, 1], seed=7), loss="square", update="sgd", learning_rate=0.05,
                                       portable=portable)
     ops = lambda m: collections.Counter(n.op_type for n in m.graph.node)  # noqa: E731
-    cpu = cpu_model(step)
+    cpu = cpu_model(step, 16)
     assert ops(cpu.model)["Gemm"] == ops(step.model)["Gemm"] + 3 and ops(cpu.model)["SGDOptimizer"] == 0
     assert ROW in cpu.hoisted and cpu.weighted is not None
     runner = onnxopt.Runner(step, batch_size=16, session_options=default_session_options(1))
@@ -159,4 +166,4 @@ def test_sgd_bias_updates_are_gemms_with_a_ones_row(rng, portable):
                                            (5, None), (16, None)])
     scheduled = onnxopt.compile_train_step(mlp([8, 16, 4, 1], seed=7), loss="square", update="sgd",
                                            learning_rate=onnxopt.dsl.schedules.invscaling(0.05), portable=portable)
-    assert ops(cpu_model(scheduled).model)["Gemm"] == ops(scheduled.model)["Gemm"]
+    assert ops(cpu_model(scheduled, 16).model)["Gemm"] == ops(scheduled.model)["Gemm"]

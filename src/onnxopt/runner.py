@@ -82,14 +82,14 @@ class CpuModel(NamedTuple):
     target_shape: tuple[int, ...] | None  # NOTE: the target is fed as (rows, *target_shape)
 
 
-def cpu_model(step: TrainStep, threads: int = 1) -> CpuModel:
+def cpu_model(step: TrainStep, batch_size: int = 32, threads: int = 1) -> CpuModel:
     """``step.model`` with the packs as inputs and outputs (``flat_carry``), the values computed from the sample
     weights alone as inputs (``hoist``: the Runner computes them once per batch length when none are given;
     ``weighted`` keeps them for batches with sample weights) and the target shaped like the prediction
     (``shaped_target``); their reshapes then go. SGD on a bias becomes one ``Gemm`` with a ones row
-    (``row_sum_updates``), ``ReluGrad`` of a ``Relu``'s output ``dy · Sign(y)`` (``masked_relu_grads``), and
-    for a session on ``threads`` > 1 the other sums over a matrix's rows (bias gradients) ``ones · g``
-    (``summed_rows``)."""
+    (``row_sum_updates``), ``ReluGrad`` a masked product (``dy · Cast(y > 0)`` where ``batch_size`` rows make
+    it large, else ``dy · Sign(y)``: ``masked_relu_grads``), and for a session on ``threads`` > 1 the other
+    sums over a matrix's rows (bias gradients) ``ones · g`` (``summed_rows``)."""
     model = ir.from_proto(step.model)
     for name in [*step.weights, *step.buffers]:  # NOTE: always bound: the copies made below need not hold them
         model.graph.initializers.pop(name, None)
@@ -117,7 +117,7 @@ def cpu_model(step: TrainStep, threads: int = 1) -> CpuModel:
             next(v for v in model.graph.inputs if v.name == name).shape = ir.Shape(dims)
     if found is not None or target_shape is not None:
         drop_same_shape_reshapes(model)
-    rewritten = masked_relu_grads(model) + (summed_rows(model) if threads > 1 else 0)
+    rewritten = masked_relu_grads(model, batch_size) + (summed_rows(model) if threads > 1 else 0)
     changed = packs or found is not None or target_shape is not None or rewritten
     return CpuModel(ir.to_proto(model) if changed else step.model, packs, side, hoisted, weighted, kept,
                     target_shape)
@@ -162,7 +162,7 @@ class Runner:
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         # NOTE: packs are host buffers whose members are bound as numpy views, hoisted values host arrays (CPU only)
         threads = opts.intra_op_num_threads or os.cpu_count() or 1  # NOTE: 0 is ORT's default: one per core
-        cpu = cpu_model(self.train_step, threads) if device == "cpu" else None
+        cpu = cpu_model(self.train_step, batch_size, threads) if device == "cpu" else None
         model, self._packs = (cpu.model, cpu.packs) if cpu else (self.train_step.model, {})
         self._side, self._weighted, self._opts = None, cpu.weighted if cpu else None, opts
         self._hoisted, self._w_kept, self._y_shape = \

@@ -73,7 +73,7 @@ class Onnxopt(Competitor):
         step = onnxopt.compile_train_step(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update),
                                           learning_rate=wl.lr)
         # NOTE: counted before the memory baseline: the counting session's memory is not the runner's
-        self.nodes = ort_kernels(runner_model(step, wl.threads), wl.threads)
+        self.nodes = ort_kernels(runner_model(step, wl.batch, wl.threads), wl.threads)
         self.rss_before = rss()  # NOTE: the runner's memory is measured from here, after compiling
         self.runner = onnxopt.Runner(step, batch_size=wl.batch)
         self.X, self.y = X, y
@@ -118,11 +118,11 @@ class OnnxoptStep(Onnxopt):
     per_step = True
 
 
-def runner_model(step, threads: int = 1) -> onnx.ModelProto:
+def runner_model(step, batch_size: int = 32, threads: int = 1) -> onnx.ModelProto:
     """The model the Runner runs on CPU (``runner.cpu_model``: packs bound, the loss's batch bookkeeping out)."""
     from onnxopt.runner import cpu_model
 
-    return cpu_model(step, threads).model
+    return cpu_model(step, batch_size, threads).model
 
 
 def _onnxopt_update(update: str):
