@@ -231,8 +231,9 @@ def test_bench_compares_the_portable_step_on_stock_onnxruntime(venv313):
     ours, stock, both = row["training build"], row["portable, stock"], row["portable, training build"]
     assert tuple(map(int, stock["python"].split(".")[:2])) >= (3, 13)
     assert stock["onnxruntime"] != ours["onnxruntime"] == both["onnxruntime"]
-    # NOTE: the training build runs ReluGrad (and, with passes.kernels, bias updates) as single kernels
-    assert stock["kernels"] == both["kernels"] > ours["kernels"]
+    # NOTE: the same graph on both builds; the training build's step has as many kernels or fewer (the Runner
+    # runs its small ReluGrads as Sign + Mul and its SGD bias updates as Gemms, as the portable step does)
+    assert stock["kernels"] == both["kernels"] >= ours["kernels"]
     assert all(0.2 < r < 5 for r in row["ratio"]), row["ratio"]
     text = markdown({"W1-sgd": row}, "note")
     assert f"| W1-sgd | portable, stock | {stock['python']} | {stock['onnxruntime']} | {stock['kernels']} |" in text
