@@ -172,13 +172,9 @@ def summed_rows(model: ir.Model) -> int:
     either. The sums are the same to float rounding (another summation order), not bit for bit."""
     done = 0
     for node in list(model.graph):
-        if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
-            continue
-        g, axes = node.inputs
-        keep = node.attributes.get("keepdims")
-        if g.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or g.shape is None or len(g.shape) != 2 \
-                or keep is None or keep.as_int() != 0 or axes is None or axes.const_value is None \
-                or axes.const_value.numpy().tolist() not in ([0], [-2]):
+        g = _first_axis_sum(node)
+        if g is None or g.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or g.shape is None \
+                or len(g.shape) != 2:
             continue
         tape = ir.tape.Tape()
         rows = tape.op("Shape", [g], {"start": 0, "end": 1})
@@ -188,16 +184,22 @@ def summed_rows(model: ir.Model) -> int:
     return done
 
 
-def _row_sum(value: ir.Value, rows, shapes: dict) -> ir.Value | None:
-    """``g`` when ``value`` is ``ReduceSum(g, axes=[0], keepdims=0)`` of a matrix ``g`` of ``rows`` rows (its
-    shape in ``shapes``), else None."""
-    node = value.producer()
+def _first_axis_sum(node: ir.Node | None) -> ir.Value | None:
+    """``g`` when ``node`` is ``ReduceSum(g, axes=[0], keepdims=0)`` (axes a constant), else None."""
     axes = node.inputs[1] if node is not None and len(node.inputs) == 2 else None
-    if axes is None or node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx") or len(value.uses()) != 1 \
+    if axes is None or node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx") \
             or axes.const_value is None or node.attributes.get_int("keepdims", 1) != 0 \
             or axes.const_value.numpy().tolist() not in ([0], [-2]):
         return None
-    g = node.inputs[0]
+    return node.inputs[0]
+
+
+def _row_sum(value: ir.Value, rows, shapes: dict) -> ir.Value | None:
+    """``g`` when ``value``, read once, is ``ReduceSum(g, axes=[0], keepdims=0)`` of a matrix ``g`` of ``rows``
+    rows (its shape in ``shapes``), else None."""
+    g = _first_axis_sum(value.producer()) if len(value.uses()) == 1 else None
+    if g is None:
+        return None
     shape = shapes.get(g.name)
     return g if shape is not None and len(shape) == 2 and shape[0] == rows else None
 

@@ -47,10 +47,16 @@ def scannable(model: onnx.ModelProto) -> bool:
                for n in model.graph.node)
 
 
-def _info(name: str, value: onnx.ValueInfoProto, lead: tuple = ()) -> onnx.ValueInfoProto:
+def _shape(value: onnx.ValueInfoProto) -> tuple | None:
+    """``value``'s dimensions (int, a name or None), or None when its shape is unknown."""
     t = value.type.tensor_type
-    dims = [*lead, *(d.dim_value or d.dim_param or None for d in t.shape.dim)] if t.HasField("shape") else None
-    return helper.make_tensor_value_info(name, t.elem_type, dims)
+    return tuple(d.dim_value or d.dim_param or None for d in t.shape.dim) if t.HasField("shape") else None
+
+
+def _info(name: str, value: onnx.ValueInfoProto, lead: tuple = ()) -> onnx.ValueInfoProto:
+    shape = _shape(value)
+    return helper.make_tensor_value_info(name, value.type.tensor_type.elem_type,
+                                         None if shape is None else [*lead, *shape])
 
 
 def _views(pack: str, members: list[tuple[str, tuple[int, ...]]], name) -> tuple[list, list]:
@@ -126,9 +132,7 @@ def _counters(g: onnx.GraphProto, carried: list[str]) -> dict[str, tuple[onnx.No
 
 def _dims(g: onnx.GraphProto) -> dict[str, tuple]:
     """The dimensions (int, a name or None) of every value of ``g`` with a known shape."""
-    infos = [*g.value_info, *g.input, *g.output]
-    known = {v.name: tuple(d.dim_value or d.dim_param or None for d in v.type.tensor_type.shape.dim)
-             for v in infos if v.type.tensor_type.HasField("shape")}
+    known = {v.name: _shape(v) for v in [*g.value_info, *g.input, *g.output] if _shape(v) is not None}
     return {**known, **{t.name: tuple(t.dims) for t in g.initializer}}
 
 
@@ -173,9 +177,7 @@ def epoch_model(model: onnx.ModelProto, batch_inputs: list[str], carried: list[s
     rowed = _rows(g, state, dims)
     skip = {id(n) for n in (*(node for node, _ in counters.values()), *rowed.values())}
     as_new = {r.input[0]: name + NEW for name, r in rowed.items()}  # NOTE: the Gemm writes the carried row
-    row_info = lambda n, v: helper.make_tensor_value_info(  # noqa: E731
-        n, inputs[v].type.tensor_type.elem_type, [1, *dims[v]])
-    carry = lambda n, v: row_info(n, v) if v in rowed else _info(n, inputs[v])  # noqa: E731
+    carry = lambda n, v: _info(n, inputs[v], (1,) if v in rowed else ())  # noqa: E731
     # NOTE: Scan wants every body output's shape: a carried tensor keeps its input's
     body = helper.make_graph(
         [*nodes, *(_renamed_outputs(n, as_new) for n in g.node if id(n) not in skip)], "epoch_body",
