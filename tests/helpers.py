@@ -59,3 +59,26 @@ def count_runs(runner, monkeypatch) -> list:
 
     monkeypatch.setattr(runner.session, "_sess", Counting(runner.session._sess))
     return runs
+
+
+def under_reference(model, batches, rtol, **kwargs):
+    """Trains the portable step under onnx.reference and the training build's step on ``batches``: the same
+    losses and weights."""
+    from onnx.reference import ReferenceEvaluator
+
+    import onnxopt
+
+    plain, portable = (onnxopt.compile_train_step(model, portable=p, **kwargs) for p in (False, True))
+    evaluator = ReferenceEvaluator(portable.model)
+    runner = onnxopt.Runner(plain)
+    feeds = {**portable.initial_weights(), **{s: np.zeros_like(portable.initial_weights()[s.rsplit(".", 1)[0]])
+                                            for s in portable.state if s != "optim.step"},
+             "optim.step": np.array(0, np.int64)}
+    names = [o.name for o in portable.model.graph.output]
+    for X, y in batches:
+        weights = {portable.sample_weight: np.ones(len(X), X.dtype)} if portable.sample_weight else {}
+        out = dict(zip(names, evaluator.run(None, {**feeds, portable.inputs[0]: X, portable.target: y, **weights})))
+        np.testing.assert_allclose(out["loss"], runner.step(X, y), rtol=rtol)
+        feeds = {name: out[name + ".new"] for name in [*portable.weights, *portable.state]}
+    for name, value in runner.get_weights().items():
+        np.testing.assert_allclose(feeds[name], value, rtol=10 * rtol, atol=10 * rtol)

@@ -12,7 +12,7 @@ from onnx.reference import ReferenceEvaluator
 import onnxopt
 from onnxopt.errors import ModelError
 from onnxopt.examples import mlp
-from onnxopt.passes.lower import LOWERINGS, MS, check_portable, lower_training_ops
+from onnxopt.passes.lower import LOWERINGS, MS, check_portable, crops_as_slices, lower_training_ops
 
 ort.set_default_logger_severity(3)
 R = np.random.default_rng(0)
@@ -99,6 +99,15 @@ def _cases():
         "AveragePoolGrad": _pool_case("AveragePoolGrad", (2, 3, 7, 7), kernel_shape=[2, 2], strides=[2, 2]),
         "AveragePoolGrad-pads": _pool_case("AveragePoolGrad", (2, 3, 7, 6), kernel_shape=[3, 2], strides=[2, 2],
                                            pads=[1, 1, 1, 1], count_include_pad=0),
+        "FusedMatMul": ({"A": R.normal(size=(2, 3, 4)), "B": R.normal(size=(2, 5, 4))}, {"alpha": 0.5, "transB": 1},
+                        [(2, 3, 5)]),
+        "FusedMatMul-2d": ({"A": R.normal(size=(4, 3)), "B": R.normal(size=(4, 5))}, {"transA": 1}, [(3, 5)]),
+        "FusedMatMul-batch": ({"A": R.normal(size=(3, 2, 4)), "B": R.normal(size=(5, 2, 3))},
+                              {"transA": 1, "transBatchA": 1, "transB": 1, "transBatchB": 1}, [(2, 4, 5)]),
+        "BroadcastGradientArgs": ({"A": np.array([3, 1, 4]), "B": np.array([2, 1, 5, 4])}, {}, [(2,), (1,)]),
+        "BroadcastGradientArgs-same-rank": ({"A": np.array([1, 4]), "B": np.array([3, 4])}, {}, [(1,), (0,)]),
+        "DropoutGrad": ({"dY": a, "mask": R.uniform(size=(3, 4)) > 0.3, "ratio": np.array(0.3)}, {}, [(3, 4)]),
+        "DropoutGrad-default-ratio": ({"dY": a, "mask": R.uniform(size=(3, 4)) > 0.5}, {}, [(3, 4)]),
         "AveragePoolGrad-pads-included": _pool_case("AveragePoolGrad", (1, 2, 6, 7), kernel_shape=[3, 3],
                                                     strides=[2, 1], pads=[1, 1, 1, 1], count_include_pad=1),
     }
@@ -112,10 +121,12 @@ def _model(case: str, dtype) -> onnx.ModelProto:
     inputs, attrs, out_shapes = CASES[case]
     op_type = case.split("-")[0]
     elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    info = [oh.make_tensor_value_info(n, elem if v.dtype.kind == "f" else onnx.TensorProto.INT64, v.shape)
+    kinds = {"f": elem, "b": onnx.TensorProto.BOOL}
+    info = [oh.make_tensor_value_info(n, kinds.get(v.dtype.kind, onnx.TensorProto.INT64), v.shape)
             for n, v in inputs.items()]
     outs = ["X_grad"] if op_type.endswith("PoolGrad") else [f"out{i}" for i in range(len(out_shapes))]
-    out_elem = [onnx.TensorProto.INT64 if op_type == "ConcatTraining" and i == 1 else elem for i in range(len(outs))]
+    out_elem = [onnx.TensorProto.INT64 if (op_type == "ConcatTraining" and i == 1) or op_type == "BroadcastGradientArgs"
+                else elem for i in range(len(outs))]
     out_info = [oh.make_tensor_value_info(n, t, s) for n, t, s in zip(outs, out_elem, out_shapes)]
     if op_type.endswith("PoolGrad"):  # NOTE: the lowering reads the pooled input's shape from the graph (X)
         info.append(oh.make_tensor_value_info("X", elem, out_shapes[0]))
@@ -139,7 +150,8 @@ def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
 
 
 def _feeds(case: str, dtype) -> dict:
-    feeds = {n: (v.astype(dtype) if v.dtype.kind == "f" else v.astype(np.int64)) for n, v in CASES[case][0].items()}
+    feeds = {n: (v.astype(dtype) if v.dtype.kind == "f" else v if v.dtype.kind == "b" else v.astype(np.int64))
+             for n, v in CASES[case][0].items()}
     if case.split("-")[0].endswith("PoolGrad"):
         feeds["X"] = np.zeros(CASES[case][2][0], dtype)
     return feeds
@@ -174,6 +186,8 @@ def test_lowering_matches_training_kernel(case, dtype):
         assert dtype == np.float64, exc
         expected, tol = _run(_model(case, np.float32), _feeds(case, np.float32)), 1e-5
     assert len(got) == len(expected)
+    if case.startswith("BroadcastGradientArgs"):  # NOTE: the kernel lists axes descending, the lowering ascending
+        expected = [np.sort(e) for e in expected]
     for g, e in zip(got, expected):
         assert g.shape == e.shape and g.dtype == (e.dtype if tol == 1e-6 else g.dtype)
         np.testing.assert_allclose(g, e, rtol=tol, atol=tol)
@@ -188,6 +202,24 @@ def test_unknown_op_is_refused_by_name():
         lower_training_ops(ir.from_proto(model))
     with pytest.raises(ModelError, match="outside"):
         check_portable(model)
+
+
+@pytest.mark.parametrize("pads", [[0, -1, 2, -2, 0, -1], [-1, 0, 0, 0, -2, -1]])
+def test_cropping_pads_become_slices(pads):
+    x = R.normal(size=(2, 5, 6)).astype(np.float32)
+    node = oh.make_node("Pad", ["x", "pads", "value"], ["y"], mode="constant")
+    graph = oh.make_graph([node], "g", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x.shape)],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+                          [onnx.numpy_helper.from_array(np.array(pads, np.int64), "pads"),
+                           onnx.numpy_helper.from_array(np.array(1.5, np.float32), "value")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=9)
+    rewritten = ir.from_proto(model)
+    assert crops_as_slices(rewritten) == 1
+    rewritten = ir.to_proto(rewritten)
+    assert "Slice" in {n.op_type for n in rewritten.graph.node}
+    expected = _run(model, {"x": x})[0]
+    np.testing.assert_array_equal(_run(rewritten, {"x": x})[0], expected)
+    np.testing.assert_array_equal(ReferenceEvaluator(rewritten).run(None, {"x": x})[0], expected)
 
 
 @pytest.mark.parametrize("activation", ["Relu", "Tanh", "Sigmoid"])

@@ -24,7 +24,8 @@ from onnxopt.dsl.losses import flat_pair, weighted_mean, weighted_sum
 from onnxopt.errors import DslError, ModelError, WeightError
 from onnxopt.gradient import check_weights, gradient_ir
 from onnxopt.modelio import ModelLike, load_model, require_training_build, runtime_limits
-from onnxopt.passes.lower import BROKEN_FLOAT64_KERNELS, BROKEN_KERNELS, check_portable, lower_training_ops
+from onnxopt.passes.lower import (BROKEN_FLOAT64_KERNELS, BROKEN_KERNELS, check_portable, crops_as_slices,
+                                  lower_training_ops)
 from onnxopt.passes.modes import apply_mode, running_updates, split_statistics
 from onnxopt.passes.fuse_update import fuse_update
 from onnxopt.passes.kernels import optimizer_kernels
@@ -292,6 +293,7 @@ def compile_train_step(
     fuse_update(fused, kernels=not portable)
     name_packs(packs, splits)
     if portable:
+        crops_as_slices(fused)
         check_portable(fused)
     data_inputs = [v.name for v in m.graph.inputs if v.name not in m.graph.initializers]
     if external_grad:

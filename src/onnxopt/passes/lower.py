@@ -20,8 +20,8 @@ import onnx_ir as ir
 
 from onnxopt.errors import ModelError
 
-__all__ = ["LOWERINGS", "LowerTrainingOpsPass", "lower_training_ops", "check_portable", "STANDARD_DOMAINS", "BROKEN_KERNELS",
-           "BROKEN_FLOAT64_KERNELS"]
+__all__ = ["LOWERINGS", "LowerTrainingOpsPass", "lower_training_ops", "check_portable", "crops_as_slices",
+           "STANDARD_DOMAINS", "BROKEN_KERNELS", "BROKEN_FLOAT64_KERNELS"]
 
 MS = "com.microsoft"
 STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
@@ -30,9 +30,20 @@ STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 class _Op:
     """``op.Add(a, b)``, ``op.Split(x, s, axis=1, _outputs=2)``: nodes recorded on a tape, for one lowered node."""
 
-    def __init__(self, node: ir.Node):
+    def __init__(self, node: ir.Node, inferred: dict[str, tuple] | None = None):
         self.tape = ir.tape.Tape()
         self.node = node
+        self.inferred = inferred or {}
+
+    def dims(self, value: ir.Value) -> tuple | None:
+        """``value``'s dimensions (ints, or None where unknown): its own shape, else ONNX shape inference's."""
+        if value.shape is not None:
+            return tuple(d if isinstance(d, int) else None for d in value.shape)
+        return self.inferred.get(value.name)
+
+    def rank(self, value: ir.Value) -> int | None:
+        dims = self.dims(value)
+        return None if dims is None else len(dims)
 
     def __getattr__(self, op_type: str):
         def make(*inputs, _outputs: int = 1, **attributes):
@@ -168,11 +179,12 @@ def gather_grad(op, shape, indices, dy, axis: int = 0):
         return op.ScatterND(op.Expand(op.const(0.0, dy), shape), op.Unsqueeze(indices, op.ints([-1])), dy,
                             reduction="add")
     source = shape.producer()
-    r = shape.shape[0] if shape.shape is not None and isinstance(shape.shape[0], int) else (
-        len(source.inputs[0].shape) if source is not None and source.op_type == "Shape"
-        and source.inputs[0].shape is not None else None)
-    q = len(indices.shape) if indices.shape is not None else (
-        len(dy.shape) - r + 1 if dy.shape is not None and r is not None else None)
+    r = (op.dims(shape) or (None,))[0]
+    if r is None and source is not None and source.op_type == "Shape":
+        r = op.rank(source.inputs[0])
+    q = op.rank(indices)
+    if q is None and op.rank(dy) is not None and r is not None:
+        q = op.rank(dy) - r + 1
     if r is None or q is None:
         raise ModelError(f"portable: GatherGrad node {op.node.name!r} (axis={axis}) needs the ranks of its data "
                          "and indices, got unknown ones")
@@ -211,9 +223,13 @@ def conv_grad(op, dy, x, w, kernel_shape=None, strides=None, pads=None, dilation
     if auto_pad not in ("NOTSET", "VALID"):
         raise ModelError(f"portable: ConvGrad node {op.node.name!r} has auto_pad={auto_pad!r}; expected NOTSET or "
                          "VALID (export the model with explicit pads)")
-    if w.shape is None:
-        raise ModelError(f"portable: ConvGrad node {op.node.name!r} needs the rank of its weight, got unknown")
-    r = len(w.shape) - 2
+    # NOTE: the number of spatial axes, from whichever of the weight, kernel_shape, X and dY says it (a weight
+    # computed in the graph, such as a ConvTranspose's flipped kernel, may have no shape)
+    known = [op.rank(v) - 2 for v in (w, x, dy) if v is not None and op.rank(v) is not None]
+    r = len(kernel_shape) if kernel_shape else (known[0] if known else None)
+    if r is None:
+        raise ModelError(f"portable: ConvGrad node {op.node.name!r} needs the rank of its weight, X or dY, or its "
+                         "kernel_shape; got none")
     strides, dilations = list(strides or [1] * r), list(dilations or [1] * r)
     pads = list(pads or [0] * (2 * r))
     dx = dw = db = None
@@ -266,10 +282,63 @@ def average_pool_grad(op, dy, kernel_shape, strides=None, pads=None, count_inclu
     return op.Reshape(dx, op.Shape(x))
 
 
+def fused_mat_mul(op, a, b, alpha: float = 1.0, transA: int = 0, transB: int = 0, transBatchA: int = 0,
+                  transBatchB: int = 0):
+    """α·A'·B' with MatMul: A' is A with its first axis moved before the last (transBatchA), then its last two
+    axes swapped (transA); B' likewise. The builder emits it for MatMul gradients of batched operands."""
+    a = _matmul_operand(op, a, transA, transBatchA)
+    b = _matmul_operand(op, b, transB, transBatchB)
+    y = op.MatMul(a, b)
+    return y if alpha == 1.0 else op.Mul(y, op.const(alpha, y))
+
+
+def _matmul_operand(op, x, trans: int, trans_batch: int) -> ir.Value:
+    if not trans and not trans_batch:
+        return x
+    r = op.rank(x)
+    if r is None or r < (3 if trans_batch else 2):
+        raise ModelError(f"portable: FusedMatMul node {op.node.name!r} transposes {x.name!r}, whose rank is "
+                         f"{r if r is not None else 'unknown'}; expected a known rank >= {3 if trans_batch else 2}")
+    perm = [*range(1, r - 1), 0, r - 1] if trans_batch else list(range(r))
+    if trans:
+        perm[-2], perm[-1] = perm[-1], perm[-2]
+    return op.Transpose(x, perm=perm)
+
+
+def broadcast_gradient_args(op, a_shape, b_shape):
+    """The axes of the broadcast output over which A's (B's) gradient is summed: the leading axes A lacks, and
+    those where A's dimension is 1 and B's is not. Ascending where the kernel lists them descending: the
+    builder only passes them to ReduceSum."""
+    ra, rb = op.Size(a_shape), op.Size(b_shape)
+    n = op.Max(ra, rb)
+    k = op.Range(op.Constant(value_int=0), n, op.Constant(value_int=1))
+
+    def padded(shape, r):
+        ones = op.ConstantOfShape(op.Reshape(op.Sub(n, r), op.ints([1])), value=ir.tensor(np.array([1], np.int64)))
+        return op.Concat(ones, shape, axis=0)
+
+    pa, pb = padded(a_shape, ra), padded(b_shape, rb)
+    one = op.Constant(value_int=1)
+
+    def axes(p, q, r):
+        summed = op.Or(op.Less(k, op.Sub(n, r)), op.And(op.Equal(p, one), op.Not(op.Equal(p, q))))
+        return op.Reshape(op.NonZero(summed), op.ints([-1]))
+
+    return (axes(pa, pb, ra) if op.wanted(0) else None), (axes(pb, pa, rb) if op.wanted(1) else None)
+
+
+def dropout_grad(op, dy, mask, ratio=None, training_mode=None, **_):
+    """dy·mask / (1 − ratio), the ratio 0.5 when absent and 1 − ratio taken in float32, as the kernel does (it
+    does not read training_mode: outside training the forward's mask is all true)."""
+    keep = op.Constant(value=ir.tensor(np.array(0.5, np.float32))) if ratio is None else op.Sub(
+        op.Constant(value=ir.tensor(np.array(1.0, np.float32))), op.Cast(ratio, to=ir.DataType.FLOAT))
+    return op.Div(op.Mul(op.CastLike(mask, dy), dy), op.CastLike(keep, dy))
+
+
 def layer_norm_grad(op, dy, x, scale, mean, inv_std, axis: int = -1, **_):
     """x̂ = (x − mean)·inv_std; dx = inv_std·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)) with ĝ = dy·scale, means over the
     normalized axes; dscale = Σ dy·x̂ and dbias = Σ dy over the others."""
-    k = len(scale.shape) if scale.shape is not None else None
+    k = op.rank(scale)
     if axis < 0:
         k = -axis
     if k is None:
@@ -308,6 +377,9 @@ LOWERINGS = {
     (MS, "SplitTraining"): split_training,
     (MS, "ConvGrad"): conv_grad,
     (MS, "LayerNormalizationGrad"): layer_norm_grad,
+    (MS, "FusedMatMul"): fused_mat_mul,
+    (MS, "BroadcastGradientArgs"): broadcast_gradient_args,
+    (MS, "DropoutGrad"): dropout_grad,
     ("", "MaxPoolGrad"): max_pool_grad,
     ("", "AveragePoolGrad"): average_pool_grad,
 }
@@ -318,13 +390,22 @@ def _is_standard(node: ir.Node) -> bool:
     return domain in STANDARD_DOMAINS and onnx.defs.has(node.op_type, domain)
 
 
-def _lower(node: ir.Node) -> None:
+def _inferred_dims(model: ir.Model) -> dict[str, tuple]:
+    """Every value's dimensions by ONNX shape inference on a copy (training-only ops are skipped, so values
+    after them stay unknown); the lowerings read them where the builder left a value without a shape."""
+    proto = onnx.shape_inference.infer_shapes(ir.to_proto(model), strict_mode=False)
+    return {v.name: tuple(d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim)
+            for v in [*proto.graph.value_info, *proto.graph.output, *proto.graph.input]
+            if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
+
+
+def _lower(node: ir.Node, inferred: dict[str, tuple]) -> None:
     fn = LOWERINGS.get((node.domain, node.op_type))
     if fn is None:
         raise ModelError(f"portable: op {node.domain or 'ai.onnx'}::{node.op_type} (node {node.name!r}) has no "
                          f"lowering to standard ONNX yet (lowered ops: {sorted(op for _, op in LOWERINGS)}); "
                          "compile with portable=False and train with onnxruntime-training")
-    op = _Op(node)
+    op = _Op(node, inferred)
     attrs = {name: attr.value for name, attr in node.attributes.items()}
     outs = fn(op, *node.inputs, **attrs)
     outs = [outs] if isinstance(outs, ir.Value) else list(outs)
@@ -355,8 +436,9 @@ class LowerTrainingOpsPass(ir.passes.InPlacePass):
         # NOTE: calls of model functions (the DSL's, inlined later) are not ops; check_portable sees their bodies
         todo = [n for n in model.graph if not _is_standard(n) and n.op_identifier() not in model.functions
                 and (self.ops is None or (n.domain, n.op_type) in self.ops)]
+        inferred = _inferred_dims(model) if todo else {}
         for node in todo:
-            _lower(node)
+            _lower(node, inferred)
         if todo and not any(n.domain == MS for n in model.graph):
             model.opset_imports.pop(MS, None)
         return ir.passes.PassResult(model, modified=bool(todo))
@@ -373,6 +455,44 @@ def lower_training_ops(model: ir.Model, ops: set[tuple[str, str]] | None = None)
     """Lowers the training-only ops of ``model`` in place (only ``ops`` when given, see the module docstring)
     and returns it."""
     return LowerTrainingOpsPass(ops)(model).model
+
+
+def crops_as_slices(model: ir.Model) -> int:
+    """Rewrites each ``Pad`` (mode constant) whose constant pads crop, such as the gradient of a ``Pad`` that
+    the builder writes as a Pad by the negated pads, into a ``Slice`` (then a ``Pad`` by what is left to add):
+    the same values; ``onnx.reference`` pads with ``numpy.pad``, which refuses negative widths. Returns how many."""
+    done = 0
+    for node in list(model.graph):
+        if node.op_type != "Pad" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[1] is None:
+            continue
+        pads = ir.convenience.get_const_tensor(node.inputs[1])
+        axes = node.inputs[3] if len(node.inputs) > 3 else None
+        mode = node.attributes.get("mode")
+        if pads is None or axes is not None or (mode is not None and mode.value != "constant"):
+            continue
+        pads = pads.numpy().astype(np.int64)
+        if (pads >= 0).all():
+            continue
+        r = len(pads) // 2
+        tape = ir.tape.Tape()
+
+        def const(values):
+            return tape.op("Constant", [], {"value": ir.tensor(np.asarray(list(values), np.int64))})
+
+        ends = [e if e < 0 else np.iinfo(np.int64).max for e in np.minimum(pads[r:], 0)]
+        out = tape.op("Slice", [node.inputs[0], const(-np.minimum(pads[:r], 0)), const(ends), const(range(r))])
+        if (pads > 0).any():
+            out = tape.op("Pad", [out, const(np.maximum(pads, 0)), *node.inputs[2:3]])
+        model.graph.insert_before(node, tape.nodes)
+        for new in tape.nodes:
+            new.metadata_props.update(node.metadata_props)
+        old = node.outputs[0]
+        out.type, out.shape = old.type, old.shape
+        ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
+        out.name, old.name = old.name, None
+        model.graph.remove(node, safe=True)
+        done += 1
+    return done
 
 
 def check_portable(model: onnx.ModelProto | ir.Model) -> None:

@@ -1,0 +1,67 @@
+"""Portable steps of exported models (torch.onnx, both exporters): the lowered step trains as the training
+build's own kernels do, step by step, for a model using each lowering that only exporters' graphs bring
+(FusedMatMul from batched MatMuls, BroadcastGradientArgs from Expand, DropoutGrad, ConvGrad of a computed
+kernel, GatherGrad on a late axis); RNN training ops are refused by name. Models that pad explicitly also
+train under onnx.reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import onnxopt
+from helpers import under_reference
+from onnxopt.errors import ModelError
+from onnxopt.passes.lower import check_portable
+from zoo import models as MZ
+from zoo import models_more as MM
+
+# (models module, model, exporter, dropout p or None, training-only ops its step must hold)
+CASES = [
+    (MM, "attention", "dynamo", None, {"FusedMatMul", "SoftmaxGrad_13", "GatherGrad"}),
+    (MM, "attention", "script", None, {"FusedMatMul", "SoftmaxGrad_13"}),
+    (MM, "tensor_ops", "script", None, {"FusedMatMul", "SplitTraining"}),
+    (MM, "bilinear", "dynamo", None, {"FusedMatMul", "TanhGrad"}),
+    (MM, "math_ops", "dynamo", None, {"BroadcastGradientArgs", "DivGrad"}),
+    (MM, "activations", "dynamo18", None, {"BroadcastGradientArgs", "SoftmaxGrad_13"}),
+    (MM, "deconv", "dynamo", None, {"ConvGrad", "GatherGrad", "SliceGrad", "FusedMatMul"}),
+    (MZ, "mlp_softplus", "dynamo", None, {"BroadcastGradientArgs"}),
+    (MZ, "transformer", "script_train", 0.3, {"DropoutGrad", "FusedMatMul", "LayerNormalizationGrad"}),
+    (MM, "residual", "script_train", 0.3, {"DropoutGrad", "ConvGrad"}),
+]
+
+
+@pytest.mark.parametrize("module, name, exporter, p, ops", CASES, ids=[f"{c[1]}-{c[2]}" for c in CASES])
+def test_portable_step_trains_like_the_training_build(module, name, exporter, p, ops):
+    model = module.exported(name, exporter, p)
+    kwargs = dict(mode="train" if exporter == "script_train" else "eval", loss=module.loss_name(name),
+                  update="momentum", learning_rate=1e-2)
+    plain = onnxopt.compile_train_step(model, **kwargs)
+    assert ops <= {n.op_type for n in plain.model.graph.node}, "the case no longer exercises its lowerings"
+    portable = onnxopt.compile_train_step(model, portable=True, **kwargs)
+    check_portable(portable.model)
+    X, y = module.make_data(name, n=24)
+    # NOTE: Dropout is seeded: the same masks in both. Momentum, not Adam: some of these weights have a gradient
+    # of zero but for rounding (a key bias under softmax, a bias before BatchNorm), which Adam scales up to ±lr
+    a, b = onnxopt.Runner(plain), onnxopt.Runner(portable)
+    for i in range(0, len(X), 8):
+        np.testing.assert_allclose(b.step(X[i:i + 8], y[i:i + 8]), a.step(X[i:i + 8], y[i:i + 8]), rtol=1e-5)
+    wa, wb = a.get_weights(), b.get_weights()
+    for k in wa:
+        np.testing.assert_allclose(wb[k], wa[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_rnn_training_ops_are_refused_by_name():
+    with pytest.raises(ModelError, match=r"GRUTraining \(node '[^']+'\) has no lowering"):
+        onnxopt.compile_train_step(MM.exported("gru2", "script"), loss="square", portable=True)
+
+
+@pytest.mark.parametrize("module, name, exporter", [(MM, "pool_pad", "script"), (MM, "deconv", "dynamo")],
+                         ids=["pool_pad-script", "deconv-dynamo"])
+def test_portable_step_trains_under_onnx_reference(module, name, exporter):
+    """Both pad explicitly: the gradient of a Pad is a Pad by negative widths, which the portable step writes as
+    a Slice (onnx.reference refuses negative pads)."""
+    X, y = module.make_data(name, n=16)
+    under_reference(module.exported(name, exporter), [(X[:8], y[:8]), (X[8:], y[8:])], 1e-5,
+                    loss=module.loss_name(name), update="momentum", learning_rate=1e-2)
