@@ -270,3 +270,45 @@ def test_grid_sample_with_a_dynamic_batch_matches_finite_differences():
                 plus, minus = (forward.run(None, {**feeds, name: base + s * d})[0] for s in (1, -1))
                 expected[i] = ((plus - minus) * cot).sum() / 2e-6
             np.testing.assert_allclose(got[name], expected, rtol=1e-6, atol=1e-7, err_msg=f"{name}, batch {n}")
+
+
+@pytest.mark.parametrize("op, direction, attrs, extras", [
+    ("GRU", "forward", {"linear_before_reset": 0}, ("B", "h0")),
+    ("GRU", "reverse", {"linear_before_reset": 1}, ("B",)),
+    ("GRU", "bidirectional", {}, ()),
+    ("LSTM", "forward", {}, ("B", "h0", "c0", "P")),
+    ("LSTM", "bidirectional", {"activations": ["Sigmoid", "Tanh", "Relu"] * 2}, ("B", "P")),
+])
+def test_unrolled_recurrent_layers_compute_what_the_kernels_do(op, direction, attrs, extras):
+    """Portable steps unroll GRU and LSTM (``decompose(unroll_recurrent=True)``): the ONNX equations, forms
+    torch does not export included (linear_before_reset=0, peepholes, reverse, other activations)."""
+    from onnx import TensorProto
+
+    import onnx_ir as ir
+
+    from onnxopt.passes.decompose import decompose
+
+    rng = np.random.default_rng(0)
+    seq, batch, size, hidden, dirs = 4, 3, 5, 6, 2 if direction == "bidirectional" else 1
+    gates = 3 if op == "GRU" else 4
+    shapes = {"W": (dirs, gates * hidden, size), "R": (dirs, gates * hidden, hidden), "B": (dirs, 2 * gates * hidden),
+              "h0": (dirs, batch, hidden), "c0": (dirs, batch, hidden), "P": (dirs, 3 * hidden)}
+    names = ["x", "W", "R", "B" if "B" in extras else "", "", "h0" if "h0" in extras else ""]
+    if op == "LSTM":
+        names += ["c0" if "c0" in extras else "", "P" if "P" in extras else ""]
+    outs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
+    node = oh.make_node(op, names, outs, hidden_size=hidden, direction=direction, **attrs)
+    inits = [onh.from_array((rng.normal(size=shapes[n]) * 0.5).astype(np.float32), n) for n in names[1:] if n]
+    graph = oh.make_graph([node], "rnn", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [seq, batch, size])],
+                          [oh.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=9)
+    unrolled = ir.from_proto(model)
+    decompose(unrolled, unroll_recurrent=True)
+    unrolled = ir.to_proto(unrolled)
+    assert op not in {n.op_type for n in unrolled.graph.node}
+    feeds = {"x": rng.normal(size=(seq, batch, size)).astype(np.float32)}
+    run = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+           for m in (unrolled, model)]
+    for got, expected, name in zip(*run, outs):
+        assert got.shape == expected.shape, name
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -91,6 +91,17 @@ def _torch_model(kind: str) -> onnx.ModelProto:
                 return self.head(self.norm(x + self.attn(x, x, x, need_weights=False)[0]).mean(dim=1))
 
         module, x = Block(), torch.randn(5, 4, 8)
+    elif kind == "gru":  # NOTE: unrolled over its 5 steps in a portable step
+
+        class Recurrent(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gru, self.head = nn.GRU(3, 6, batch_first=True), nn.Linear(6, 3)
+
+            def forward(self, x):
+                return self.head(self.gru(x)[0][:, -1])
+
+        module, x = Recurrent(), torch.randn(5, 5, 3)
     else:  # NOTE: no AveragePool: the training build's AveragePoolGrad crashes with a dynamic batch size
         module = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 4, 3, stride=2),
                                nn.Tanh(), nn.Flatten(), nn.Linear(4, 3))
@@ -114,6 +125,8 @@ CASES = {
                   (4,), "classes"),
     "attention": (lambda: _torch_model("attention"), dict(loss="cross_entropy", update="momentum", learning_rate=0.1),
                   (4, 8), "classes"),
+    "gru": (lambda: _torch_model("gru"), dict(loss="cross_entropy", update="adam", learning_rate=0.01), (5, 3),
+            "classes"),
     "cnn": (lambda: _torch_model("cnn"), dict(loss="cross_entropy", update="momentum", learning_rate=0.05),
             (1, 8, 8), "classes"),
 }

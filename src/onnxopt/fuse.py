@@ -219,7 +219,7 @@ def compile_train_step(
         if init.name in initial:
             for field in ("raw_data", "float_data", "double_data"):
                 init.ClearField(field)
-    fused, forward = gradient_ir(m, names, (), keep_outputs=True, fill_grad=not by_output)
+    fused, forward = gradient_ir(m, names, (), keep_outputs=True, fill_grad=not by_output, portable=portable)
     g = fused.graph
     if forward[0].type is None:  # NOTE: the builder drops the value info of outputs that feed the YieldOp
         forward[0].type, forward[0].shape = y.type or ir.TensorType(initial[names[0]].dtype), y.shape

@@ -296,10 +296,11 @@ def _missing_gradients(m: ir.Model, weights: Sequence[str], inputs: Sequence[str
     return missing
 
 
-def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (), mode: str | None = None
-                   ) -> ir.Model:
+def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (), mode: str | None = None,
+                   portable: bool = False) -> ir.Model:
     """Runs ORT's builder on ``m``: forward, a ``com.microsoft:YieldOp``, backward; every initializer an input.
-    ``mode`` ("train", "eval", None = each node as written) rewrites Dropout and BatchNormalization."""
+    ``mode`` ("train", "eval", None = each node as written) rewrites Dropout and BatchNormalization;
+    ``portable`` unrolls GRU/LSTM first (their gradient kernels exist in the training build only)."""
     from onnxopt.rules import lower_for_gradient
 
     require_training_build("the gradient graph")  # NOTE: gradient_model, ForwardBackward, compile on stock ORT
@@ -308,7 +309,7 @@ def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = 
     # NOTE: BatchNormalization and Dropout as written or as ``mode`` says, running statistics not carried; ORT's
     # builder would swap in a kernel that writes them in place (compile_train_step applies its mode= before)
     apply_mode(m, mode)
-    m = lower_for_gradient(m)
+    m = lower_for_gradient(m, portable)
     proto = ir.to_proto(m)
     try:
         return ir.from_proto(_run_builder(proto, weights, inputs))
@@ -411,13 +412,15 @@ def gradient_ir(
     keep_outputs: bool = False,
     fill_grad: bool = False,
     mode: str | None = None,
+    portable: bool = False,
 ) -> tuple[ir.Model, list[ir.Value]]:
-    """The gradient graph of ``m`` as an ``ir.Model``, plus its forward-output values (see ``gradient_model``)."""
+    """The gradient graph of ``m`` as an ``ir.Model``, plus its forward-output values (see ``gradient_model``;
+    ``portable``: see ``build_gradient``)."""
     unknown = [i for i in inputs if i not in {v.name for v in m.graph.inputs}]
     if unknown:
         names = [v.name for v in m.graph.inputs]
         raise ModelError(f"inputs: {unknown} are not inputs of the model (expected some of {names})")
-    grad = build_gradient(m, weights, inputs, mode)
+    grad = build_gradient(m, weights, inputs, mode, portable)
     _lower_unsized_pool_grads(grad)
     _tag_regions(grad.graph)
     forward = _yield_rewrite(grad.graph, keep_outputs, fill_grad)

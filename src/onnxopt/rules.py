@@ -130,16 +130,16 @@ rules = RewriteRuleSet([RewriteRule(_castlike, _cast, _castlike_known, name="Cas
                         RewriteRule(_concat, _concat_as_pads, _concat_double_static, name="DoubleConcatToPads")])
 
 
-def lower_for_gradient(model: ir.Model) -> ir.Model:
-    """Infers types, decomposes the ops the builder lacks (``passes.decompose``), then applies ``rules`` in
-    place; returns ``model``."""
+def lower_for_gradient(model: ir.Model, portable: bool = False) -> ir.Model:
+    """Infers types, decomposes the ops the builder lacks (``passes.decompose``; GRU and LSTM too for a
+    ``portable`` step), then applies ``rules`` in place; returns ``model``."""
     from onnxopt.passes.decompose import decompose
 
     try:
         passes.ShapeInferencePass()(model)
     except Exception:  # NOTE: inference fails on some contrib ops; the rules then match less, nothing breaks
         pass
-    decompose(model)
+    decompose(model, unroll_recurrent=portable)
     rules.apply_to_model(model)
     _split_repeated_inputs(model.graph)
     return model

@@ -1,13 +1,15 @@
 """Portable steps of exported models (torch.onnx, both exporters): the lowered step trains as the training
 build's own kernels do, step by step, for a model using each lowering that only exporters' graphs bring
 (FusedMatMul from batched MatMuls, BroadcastGradientArgs from Expand, DropoutGrad, ConvGrad of a computed
-kernel, GatherGrad on a late axis); RNN training ops are refused by name. Models that pad explicitly also
-train under onnx.reference.
+kernel, GatherGrad on a late axis; GRU and LSTM, unrolled); a GRU that cannot be unrolled is refused by
+name. Models that pad explicitly also train under onnx.reference.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
+import onnx.helper as oh
 import pytest
 
 import onnxopt
@@ -29,6 +31,10 @@ CASES = [
     (MZ, "mlp_softplus", "dynamo", None, {"BroadcastGradientArgs"}),
     (MZ, "transformer", "script_train", 0.3, {"DropoutGrad", "FusedMatMul", "LayerNormalizationGrad"}),
     (MM, "residual", "script_train", 0.3, {"DropoutGrad", "ConvGrad"}),
+    (MZ, "gru", "script", None, {"GRUTraining", "GRUGrad"}),
+    (MZ, "lstm", "dynamo", None, {"LSTMTraining", "LSTMGrad"}),
+    (MM, "birnn", "script", None, {"GRUTraining", "LSTMTraining"}),
+    (MM, "gru2", "script", None, {"GRUTraining", "GatherGrad"}),
 ]
 
 
@@ -52,9 +58,20 @@ def test_portable_step_trains_like_the_training_build(module, name, exporter, p,
         np.testing.assert_allclose(wb[k], wa[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
-def test_rnn_training_ops_are_refused_by_name():
-    with pytest.raises(ModelError, match=r"GRUTraining \(node '[^']+'\) has no lowering"):
-        onnxopt.compile_train_step(MM.exported("gru2", "script"), loss="square", portable=True)
+def test_rnn_that_cannot_be_unrolled_is_refused_by_name():
+    """A GRU with clip: the portable step does not unroll it, the training build's GRUTraining stays, and the
+    error names it and says which GRUs are unrolled."""
+    x = oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [5, "N", 3])
+    w, r, head = (np.random.default_rng(0).normal(size=s).astype(np.float32) for s in ([1, 12, 3], [1, 12, 4], [4, 1]))
+    nodes = [oh.make_node("GRU", ["x", "W", "R"], ["", "h"], hidden_size=4, clip=5.0),
+             oh.make_node("Squeeze", ["h", "zero"], ["s"]), oh.make_node("MatMul", ["s", "head"], ["y"])]
+    inits = [onnx.numpy_helper.from_array(v, n) for v, n in ((w, "W"), (r, "R"), (head, "head"))]
+    inits.append(onnx.numpy_helper.from_array(np.array([0], np.int64), "zero"))
+    graph = oh.make_graph(nodes, "g", [x], [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=9)
+    onnxopt.compile_train_step(model, loss="square")  # NOTE: the training build trains it
+    with pytest.raises(ModelError, match=r"GRUTraining \(node '[^']*'\) has no lowering.*unrolls GRU and LSTM"):
+        onnxopt.compile_train_step(model, loss="square", portable=True)
 
 
 @pytest.mark.parametrize("module, name, exporter", [(MM, "pool_pad", "script"), (MM, "deconv", "dynamo")],

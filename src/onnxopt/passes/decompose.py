@@ -14,6 +14,8 @@
   reads them), SoftmaxCrossEntropyLoss its log-probabilities, GRU/LSTM/RNN explicit zero initial states
   (GRUGrad/LSTMGrad are invalid without); float64 LayerNormalization is rewritten (its gradient kernel is
   float only).
+- For portable steps (``unroll_recurrent``): GRU and LSTM unrolled like RNN, their gradient kernels being
+  the training build's only.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
 
 __all__ = ["GRADIENTS", "RULES", "decompose", "register_gradients"]
@@ -752,16 +755,25 @@ def _rnn(op, node, x, w, r, b=None, sequence_lens=None, initial_h=None):
     return (y, y_h) if len(node.outputs) == 2 else y
 
 
-def _rnn_check(node: ir.Node) -> str | None:
-    x = node.inputs[0]
-    if x.shape is None or not isinstance(x.shape[0], int) or x.shape[0] > 64:
+def _rnn_check(node: ir.Node, default_activations=("Tanh",)) -> str | None:
+    """Why an RNN (GRU, LSTM) node is not unrolled, or None."""
+    steps = _steps(node.inputs[0])
+    if steps is None or steps > 64:
         return "the sequence length is not a static number up to 64"
-    if node.attributes.get_int("layout", 0) or "clip" in node.attributes:
-        return "layout=1 and clip are not rewritten"
+    if node.attributes.get_int("layout", 0) or "clip" in node.attributes or node.attributes.get_int("input_forget", 0):
+        return "layout=1, clip and input_forget are not rewritten"
     if len(node.inputs) > 4 and node.inputs[4] is not None:
         return "sequence_lens is not rewritten"
-    acts = node.attributes.get_strings("activations", ["Tanh"])
+    acts = node.attributes.get_strings("activations", list(default_activations))
     return None if all(a in _ACTIVATIONS for a in acts) else f"activations {list(acts)} are not rewritten"
+
+
+def _steps(x: ir.Value) -> int | None:
+    """The static sequence length of ``x``, or of the sequence it reverses (``_split_directions``' Slice)."""
+    for v in (x, x.producer().inputs[0] if x.producer() is not None and x.producer().op_type == "Slice" else None):
+        if v is not None and v.shape is not None and len(v.shape) and isinstance(v.shape[0], int):
+            return v.shape[0]
+    return None
 
 
 def _static(*values: ir.Value) -> bool:
@@ -1271,6 +1283,97 @@ def _initial_states(graph: ir.Graph) -> None:
         _rebuild(graph, node, inputs, len(node.outputs))
 
 
+_DEFAULT_ACTS = {"GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
+
+
+def _unroll_check(node: ir.Node) -> str | None:
+    if node.attributes.get_string("direction", "forward") != "forward":
+        return "only forward nodes are unrolled (_split_directions splits the others)"
+    return _rnn_check(node, _DEFAULT_ACTS[node.op_type])
+
+
+def _unroll_recurrent(graph: ir.Graph) -> None:
+    """Forward GRU/LSTM nodes (``_split_directions`` splits the others) unrolled over their static length into
+    MatMul, Sigmoid, Tanh, Mul, Add (the ONNX equations, gate orders zrh and iofc, zero states when none are
+    given): gradients the builder writes in standard ops, where GRUTraining/GRUGrad and LSTMTraining/LSTMGrad
+    are training-build kernels. Used for portable steps; a node that does not fit (``_unroll_check``) is kept."""
+    for node in list(graph):
+        if node.op_type not in _DEFAULT_ACTS or node.domain not in ("", "ai.onnx") or node.inputs[1].dtype not in _FLOATS \
+                or _unroll_check(node) is not None:
+            continue
+        tape, lstm = ir.tape.Tape(), node.op_type == "LSTM"
+        hidden, x = node.attributes.get_int("hidden_size"), node.inputs[0]
+        dtype = node.inputs[1].dtype  # NOTE: the weights' (a reversed sequence, a Slice, may have no type)
+        acts = [_ACTIVATIONS[a] for a in node.attributes.get_strings("activations", _DEFAULT_ACTS[node.op_type])]
+
+        def o(op_type, *inputs, **attrs):
+            return tape.op(op_type, list(inputs), attrs)
+
+        def cut(v, start, stop, axis=0):
+            return o("Slice", v, _ints(tape, [start * hidden]), _ints(tape, [stop * hidden]), _ints(tape, [axis]))
+
+        zero, one = _ints(tape, [0]), o("Constant", value=ir.tensor(np.array(1, dtype.numpy())))
+        w, r = o("Squeeze", node.inputs[1], zero), o("Squeeze", node.inputs[2], zero)
+        b = o("Squeeze", node.inputs[3], zero) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+        xw = o("MatMul", x, o("Transpose", w, perm=[1, 0]))  # NOTE: every step's input product in one MatMul
+        states = [node.inputs[i] if len(node.inputs) > i else None for i in (5, 6)]
+        if any(v is None for v in states[:1 + lstm]):  # NOTE: zeros where _initial_states could not type x
+            batch = o("Slice", o("Shape", x), _ints(tape, [1]), _ints(tape, [2]))
+            zeros = o("ConstantOfShape", o("Concat", batch, _ints(tape, [hidden]), axis=0),
+                      value=ir.tensor(np.zeros(1, dtype.numpy())))
+        h = o("Squeeze", states[0], zero) if states[0] is not None else zeros
+        c = (o("Squeeze", states[1], zero) if states[1] is not None else zeros) if lstm else None
+        p = o("Squeeze", node.inputs[7], zero) if lstm and len(node.inputs) > 7 and node.inputs[7] is not None \
+            else None
+        if lstm:
+            xw = xw if b is None else o("Add", xw, o("Add", cut(b, 0, 4), cut(b, 4, 8)))
+            rt = o("Transpose", r, perm=[1, 0])
+        else:
+            xw = xw if b is None else o("Add", xw, cut(b, 0, 3))
+            rzr, rh = o("Transpose", cut(r, 0, 2), perm=[1, 0]), o("Transpose", cut(r, 2, 3), perm=[1, 0])
+            rb_zr, rb_h = (cut(b, 3, 5), cut(b, 5, 6)) if b is not None else (None, None)
+            xw_zr, xw_h = cut(xw, 0, 2, 2), cut(xw, 2, 3, 2)
+        outs = []
+        for t in range(_steps(x)):
+            step = _ints(tape, [t])
+            if lstm:
+                g = o("Add", o("Squeeze", o("Gather", xw, step, axis=0), zero), o("MatMul", h, rt))
+                gi, go, gf, gc = (cut(g, k, k + 1, 1) for k in range(4))
+                if p is not None:
+                    gi, gf = o("Add", gi, o("Mul", cut(p, 0, 1), c)), o("Add", gf, o("Mul", cut(p, 2, 3), c))
+                i, f = o(acts[0], gi), o(acts[0], gf)
+                c = o("Add", o("Mul", f, c), o("Mul", i, o(acts[1], gc)))
+                go = go if p is None else o("Add", go, o("Mul", cut(p, 1, 2), c))
+                h = o("Mul", o(acts[0], go), o(acts[2], c))
+            else:
+                gh = o("MatMul", h, rzr)
+                zr = o(acts[0], o("Add", o("Squeeze", o("Gather", xw_zr, step, axis=0), zero),
+                                  gh if rb_zr is None else o("Add", gh, rb_zr)))
+                z, rr = cut(zr, 0, 1, 1), cut(zr, 1, 2, 1)
+                xh = o("Squeeze", o("Gather", xw_h, step, axis=0), zero)
+                if node.attributes.get_int("linear_before_reset", 0):
+                    hr = o("MatMul", h, rh)
+                    hh = o("Add", xh, o("Mul", rr, hr if rb_h is None else o("Add", hr, rb_h)))
+                else:
+                    hr = o("MatMul", o("Mul", rr, h), rh)
+                    hh = o("Add", xh, hr if rb_h is None else o("Add", hr, rb_h))
+                hh = o(acts[1], hh)
+                h = o("Add", o("Mul", o("Sub", one, z), hh), o("Mul", z, h))
+            outs.append(o("Unsqueeze", h, _ints(tape, [0, 1])))
+        news = [o("Concat", *outs, axis=0), o("Unsqueeze", h, zero), o("Unsqueeze", c, zero) if lstm else None]
+        for n in tape.nodes:
+            n.metadata_props.update(node.metadata_props)
+        graph.insert_before(node, tape.nodes)
+        for old, value in zip(node.outputs, news):
+            if not old.name or not (old.uses() or old.is_graph_output()):
+                continue
+            value.dtype, value.shape = old.dtype or dtype, old.shape
+            name, old.name = old.name, None
+            ir.convenience.replace_all_uses_with(old, value, replace_graph_outputs=True)
+            value.name = name
+        graph.remove(node, safe=True)
+
+
 def _expand_where_branches(graph: ir.Graph) -> None:
     """``Where(c, a, b)`` -> ``Where(c, Expand(a, s), Expand(b, s))`` for a branch not known to have the output's
     shape: ORT's Where gradient does not sum a broadcast branch back to its shape (a trained (1,) tensor would
@@ -1304,9 +1407,10 @@ def _ints(tape: ir.tape.Tape, values: list[int]) -> ir.Value:
     return tape.op("Constant", [], attributes={"value": ir.tensor(np.array(values, dtype=np.int64))})
 
 
-def decompose(model: ir.Model) -> ir.Model:
+def decompose(model: ir.Model, unroll_recurrent: bool = False) -> ir.Model:
     """Applies ``RULES`` to the ops of ``model`` that have one, completes nodes, names the unnamed nodes whose
-    gradient comes from ``GRADIENTS`` (the builder prefixes their gradient nodes by name); returns ``model``."""
+    gradient comes from ``GRADIENTS`` (the builder prefixes their gradient nodes by name); returns ``model``.
+    ``unroll_recurrent`` (portable steps) also unrolls GRU and LSTM nodes (``_unroll_recurrent``)."""
     # NOTE: on the model's own Where nodes (typed by shape inference), before the rules add theirs
     _expand_where_branches(model.graph)
     present = {n.op_type for n in model.graph if n.domain in ("", "ai.onnx")}
@@ -1316,6 +1420,13 @@ def decompose(model: ir.Model) -> ir.Model:
     _complete_outputs(model.graph)
     _split_directions(model.graph)
     _initial_states(model.graph)
+    if unroll_recurrent and any(n.op_type in _DEFAULT_ACTS for n in model.graph):  # NOTE: shapes for the lengths of the
+        # nodes split above and of stacked layers
+        try:
+            common_passes.ShapeInferencePass()(model)
+        except Exception:  # NOTE: contrib ops can fail it; a node whose length stays unknown is kept
+            pass
+        _unroll_recurrent(model.graph)
     for i, node in enumerate(model.graph):
         if node.op_type in GRADIENTS and not node.name:
             node.name = f"{node.op_type}_{i}"

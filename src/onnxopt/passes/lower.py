@@ -190,7 +190,10 @@ def gather_grad(op, shape, indices, dy, axis: int = 0):
                          "and indices, got unknown ones")
     axis = axis + r if axis < 0 else axis
     zeros = op.Expand(op.const(0.0, dy), op.Gather(shape, op.ints([axis, *range(axis), *range(axis + 1, r)])))
-    dy = op.Transpose(dy, perm=[*range(axis, axis + q), *range(axis), *range(axis + q, r + q - 1)])
+    perm = [*range(axis, axis + q), *range(axis), *range(axis + q, r + q - 1)]
+    # NOTE: no identity Transpose (a scalar index): onnxruntime's GemmTransposeFusion swaps a Gemm's output
+    # through one as if it were a real transpose
+    dy = dy if perm == sorted(perm) else op.Transpose(dy, perm=perm)
     out = op.ScatterND(zeros, op.Unsqueeze(indices, op.ints([-1])), dy, reduction="add")
     return op.Transpose(out, perm=[*range(1, axis + 1), 0, *range(axis + 1, r)])
 
@@ -402,8 +405,11 @@ def _inferred_dims(model: ir.Model) -> dict[str, tuple]:
 def _lower(node: ir.Node, inferred: dict[str, tuple]) -> None:
     fn = LOWERINGS.get((node.domain, node.op_type))
     if fn is None:
+        rnn = ("; a portable step unrolls GRU and LSTM (passes.decompose) with a static sequence length up to 64, "
+               "layout 0, activations among Sigmoid, Tanh and Relu, no clip, input_forget or sequence_lens") \
+            if node.op_type in ("GRUTraining", "LSTMTraining", "GRUGrad", "LSTMGrad") else ""
         raise ModelError(f"portable: op {node.domain or 'ai.onnx'}::{node.op_type} (node {node.name!r}) has no "
-                         f"lowering to standard ONNX yet (lowered ops: {sorted(op for _, op in LOWERINGS)}); "
+                         f"lowering to standard ONNX yet (lowered ops: {sorted(op for _, op in LOWERINGS)}){rnn}; "
                          "compile with portable=False and train with onnxruntime-training")
     op = _Op(node, inferred)
     attrs = {name: attr.value for name, attr in node.attributes.items()}
