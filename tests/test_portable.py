@@ -186,10 +186,10 @@ def test_portable_step_under_onnx_reference(rng):
                      update="adam", penalty="l1")
 
 
-def test_attention_step_under_onnx_reference(rng):
-    batches = [(rng.normal(size=(6, 4, 8)).astype(np.float32), rng.integers(0, 3, 6)) for _ in range(2)]
-    under_reference(_torch_model("attention"), batches, 1e-5, loss="cross_entropy", update="momentum",
-                     learning_rate=0.1)
+@pytest.mark.parametrize("kind, shape", [("attention", (4, 8)), ("cnn", (1, 8, 8)), ("gru", (5, 3))])
+def test_torch_export_steps_under_onnx_reference(kind, shape, rng):
+    batches = [(rng.normal(size=(6, *shape)).astype(np.float32), rng.integers(0, 3, 6)) for _ in range(2)]
+    under_reference(_torch_model(kind), batches, 1e-5, loss="cross_entropy", update="momentum", learning_rate=0.1)
 
 
 def test_cli_compile_portable(tmp_path):
