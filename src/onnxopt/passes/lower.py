@@ -396,7 +396,10 @@ def _is_standard(node: ir.Node) -> bool:
 def _inferred_dims(model: ir.Model) -> dict[str, tuple]:
     """Every value's dimensions by ONNX shape inference on a copy (training-only ops are skipped, so values
     after them stay unknown); the lowerings read them where the builder left a value without a shape."""
-    proto = onnx.shape_inference.infer_shapes(ir.to_proto(model), strict_mode=False)
+    try:
+        proto = onnx.shape_inference.infer_shapes(ir.to_proto(model), strict_mode=False)
+    except Exception:  # NOTE: e.g. a model over protobuf's 2 GB: the lowerings then say which rank they lack
+        return {}
     return {v.name: tuple(d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim)
             for v in [*proto.graph.value_info, *proto.graph.output, *proto.graph.input]
             if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
@@ -495,7 +498,8 @@ def crops_as_slices(model: ir.Model) -> int:
         old = node.outputs[0]
         out.type, out.shape = old.type, old.shape
         ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
-        out.name, old.name = old.name, None
+        name, old.name = old.name, None
+        out.name = name
         model.graph.remove(node, safe=True)
         done += 1
     return done
