@@ -48,6 +48,10 @@ class _Op:
     def __getattr__(self, op_type: str):
         def make(*inputs, _outputs: int = 1, **attributes):
             attributes = {k: v for k, v in attributes.items() if v is not None}
+            if op_type == "Transpose" and "perm" in attributes and list(attributes["perm"]) == sorted(attributes["perm"]):
+                # NOTE: no identity Transpose: onnxruntime's GemmTransposeFusion swaps a Gemm's output through
+                # one as if it were a real transpose (GatherGrad of a scalar index after a Gemm)
+                return inputs[0]
             if _outputs == 1:
                 return self.tape.op(op_type, list(inputs), attributes)
             return self.tape.op_multi_out(op_type, list(inputs), attributes, num_outputs=_outputs)
@@ -190,10 +194,7 @@ def gather_grad(op, shape, indices, dy, axis: int = 0):
                          "and indices, got unknown ones")
     axis = axis + r if axis < 0 else axis
     zeros = op.Expand(op.const(0.0, dy), op.Gather(shape, op.ints([axis, *range(axis), *range(axis + 1, r)])))
-    perm = [*range(axis, axis + q), *range(axis), *range(axis + q, r + q - 1)]
-    # NOTE: no identity Transpose (a scalar index): onnxruntime's GemmTransposeFusion swaps a Gemm's output
-    # through one as if it were a real transpose
-    dy = dy if perm == sorted(perm) else op.Transpose(dy, perm=perm)
+    dy = op.Transpose(dy, perm=[*range(axis, axis + q), *range(axis), *range(axis + q, r + q - 1)])
     out = op.ScatterND(zeros, op.Unsqueeze(indices, op.ints([-1])), dy, reduction="add")
     return op.Transpose(out, perm=[*range(1, axis + 1), 0, *range(axis + 1, r)])
 
