@@ -47,6 +47,7 @@ def test_portable_step_trains_like_the_training_build(module, name, exporter, p,
     assert ops <= {n.op_type for n in plain.model.graph.node}, "the case no longer exercises its lowerings"
     portable = onnxopt.compile_train_step(model, portable=True, **kwargs)
     check_portable(portable.model)
+    assert (portable.weights, portable.buffers) == (plain.weights, plain.buffers)  # NOTE: the same parameters
     X, y = module.make_data(name, n=24)
     # NOTE: Dropout is seeded: the same masks in both. Momentum, not Adam: some of these weights have a gradient
     # of zero but for rounding (a key bias under softmax, a bias before BatchNorm), which Adam scales up to ±lr
