@@ -53,9 +53,11 @@ def update_part(model: onnx.ModelProto, n: int) -> tuple[onnx.ModelProto, onnx.M
     step = next(v for v in g.input if v.name == "optim.step")
     inputs = [helper.make_tensor_value_info(k, TensorProto.FLOAT, [n]) for k in PACKS] + [step]
     outputs = [helper.make_tensor_value_info(k, TensorProto.FLOAT, [n]) for k in NEW]
-    make = lambda nodes, inits: helper.make_model(  # noqa: E731
-        helper.make_graph(nodes, "update", inputs, outputs, inits), opset_imports=model.opset_import,
-        ir_version=model.ir_version)
+
+    def make(nodes, inits):
+        return helper.make_model(helper.make_graph(nodes, "update", inputs, outputs, inits),
+                                 opset_imports=model.opset_import, ir_version=model.ir_version)
+
     identity = [helper.make_node("Identity", [a], [b]) for a, b in zip((PACKS[0], PACKS[2], PACKS[3]), NEW)]
     return make(nodes, [t for t in g.initializer if t.name in used]), make(identity, [])
 
