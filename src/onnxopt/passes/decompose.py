@@ -769,11 +769,8 @@ def _rnn_check(node: ir.Node, default_activations=("Tanh",)) -> str | None:
 
 
 def _steps(x: ir.Value) -> int | None:
-    """The static sequence length of ``x``, or of the sequence it reverses (``_split_directions``' Slice)."""
-    for v in (x, x.producer().inputs[0] if x.producer() is not None and x.producer().op_type == "Slice" else None):
-        if v is not None and v.shape is not None and len(v.shape) and isinstance(v.shape[0], int):
-            return v.shape[0]
-    return None
+    """The static sequence length of ``x`` (for a node ``_split_directions`` made, from shape inference)."""
+    return x.shape[0] if x.shape is not None and len(x.shape) and isinstance(x.shape[0], int) else None
 
 
 def _static(*values: ir.Value) -> bool:
