@@ -67,8 +67,32 @@ def test_cpu_model_drops_the_loss_bookkeeping():
     cpu = cpu_model(step)
     assert cpu.target_shape == (1,) and cpu.hoisted and not cpu.weight_kept
     assert before["Shape"] >= 1 and after["Shape"] == 0  # NOTE: Reshape(target/sw/dy) go; the two left flatten
-    assert after["Reshape"] == 2 and after["SGDOptimizer"] == 0  # NOTE: the biases' Gemm rows (row_sum_updates)
+    # NOTE: the biases are read and written as (1, n) rows, each updated by its Gemm (row_sum_updates)
+    assert after["Reshape"] == 0 and after["SGDOptimizer"] == 0 and cpu.rows == ("bias_0", "bias_1")
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in [*cpu.model.graph.input,
+                                                                                  *cpu.model.graph.output]}
+    assert shapes["bias_0"] == shapes["bias_0.new"] == [1, 6] and shapes["bias_1.new"] == [1, 1]
     assert sum(after.values()) - after["Sign"] <= sum(before.values()) - 6, (before, after)  # NOTE: Sign: ReluGrad's
+
+
+@pytest.mark.parametrize("other, row", [([2, 3], True), ([3], False), ([1], False)])
+def test_a_bias_is_a_row_only_where_a_row_broadcasts_alike(other, row):
+    """row_sum_updates reads a bias as a (1, n) row only where each other use gives the same values for a row:
+    against an operand of two dimensions, not against a vector (the result would gain a dimension)."""
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    from onnxopt.passes.batch import _as_row
+
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Sub", ["b", "d"], ["b.new"]), helper.make_node("Add", ["b", "o"], ["y"])], "g",
+        [helper.make_tensor_value_info("b", f, [3]), helper.make_tensor_value_info("d", f, [3]),
+         helper.make_tensor_value_info("o", f, other)],
+        [helper.make_tensor_value_info("b.new", f, [3]), helper.make_tensor_value_info("y", f, None)])
+    model = ir.from_proto(helper.make_model(graph))
+    b, o = model.graph.inputs[0], model.graph.inputs[2]
+    assert _as_row(b, model.graph.node(0), {"o": o.shape}) is row
 
 
 def test_a_target_of_the_wrong_size_is_a_data_error_naming_y(data):

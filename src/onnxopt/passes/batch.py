@@ -7,8 +7,8 @@
 - ``masked_relu_grads``: ``ReluGrad`` as ``dy · Cast(y > 0)`` where a batch makes it large, else (of a
   ``Relu``'s output) as ``dy · Sign(y)``;
 - ``summed_rows``: a sum over the rows of a matrix (a bias gradient) as ``ones · g`` for sessions on threads;
-- ``row_sum_updates``: SGD on a bias, ``b - lr·Σ_rows g``, as one ``Gemm(ones, g, C=b)`` (then a ``Reshape``,
-  which an epoch's ``Scan`` drops by carrying the bias as a row: ``passes.epoch``).
+- ``row_sum_updates``: SGD on a bias, ``b - lr·Σ_rows g``, as one ``Gemm(ones, g, C=b)``, the bias read and
+  written as a (1, n) row (the Runner binds views of its vectors) where every other use broadcasts a row alike.
 """
 
 from __future__ import annotations
@@ -220,22 +220,25 @@ def _sgd_parts(node: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value] | None:
     return b, lr, s
 
 
-def row_sum_updates(model: ir.Model, sample_weight: str) -> int:
+def row_sum_updates(model: ir.Model, sample_weight: str) -> list[str]:
     """Rewrites SGD with a constant learning rate on a vector ``b`` whose gradient sums a matrix's rows (a
-    dense layer's bias), ``b - lr·ReduceSum(g, axes=[0])``, as ``Reshape(Gemm(ones, g, C=b, alpha=-lr))``: a
+    dense layer's bias), ``b - lr·ReduceSum(g, axes=[0])``, as ``Gemm(ones, g, C=b, alpha=-lr)``: a
     vector-matrix product of MLAS updating the bias, where a ``ReduceSum`` and an ``SGDOptimizer`` (or ``Mul``
     and ``Sub``) ran. The (1, rows) ones are computed from input ``sample_weight``, so ``hoist`` makes them an
     input the Runner computes once per batch length; only rows that follow the sample weights' are rewritten.
     The sums are the same to float rounding (another summation order and the update inside it), not bit for
-    bit. Returns how many."""
+    bit. Where ``b`` is a graph input read otherwise only as a ``Gemm``'s C or against an operand of two or more
+    dimensions (a (1, n) row broadcasts there to the same values), the graph reads and writes it as that row
+    and the ``Gemm`` writes it; elsewhere a ``Reshape`` flattens the row. Returns the names read as rows
+    (the Runner binds (1, n) views of their vectors: no ``Reshape`` runs)."""
     g = model.graph
     weights = next(v for v in g.inputs if v.name == sample_weight)
     rows = weights.shape[0] if weights.shape is not None and len(weights.shape) == 1 else None
     inferred = ir.from_proto(ir.to_proto(model))  # NOTE: on a copy: inferred names of unknown dimensions
     common.ShapeInferencePass()(inferred)  # would keep drop_same_shape_reshapes from matching shapes later
-    shapes = {v.name: v.shape for node in inferred.graph for v in node.outputs}
+    shapes = {v.name: v.shape for v in [*inferred.graph.inputs, *(v for node in inferred.graph for v in node.outputs)]}
     ones = flat = None
-    done = 0
+    rowed = []
     for node in list(g):
         parts = _sgd_parts(node)
         grad = _row_sum(parts[2], rows, shapes) if parts is not None and rows is not None else None
@@ -254,8 +257,30 @@ def row_sum_updates(model: ir.Model, sample_weight: str) -> int:
             ones.name, ones.dtype = ROW, b.dtype
             flat = tape.op("Constant", [], {"value": ir.tensor(np.array([-1], np.int64))})
         summed = tape.op("Gemm", [ones, grad, b], {"alpha": -rate, "beta": 1.0})
-        summed.type, summed.shape = b.type, ir.Shape([1, b.shape[0]])
-        _replace(model, node, tape, tape.op("Reshape", [summed, flat]))
-        done += 1
+        row = ir.Shape([1, b.shape[0]])
+        if _as_row(b, node, shapes):
+            _replace(model, node, tape, summed)
+            summed.shape = b.shape = row
+            rowed.append(b.name)
+        else:
+            summed.type, summed.shape = b.type, row
+            _replace(model, node, tape, tape.op("Reshape", [summed, flat]))
     common.RemoveUnusedNodesPass()(model)
-    return done
+    return rowed
+
+
+def _as_row(b: ir.Value, update: ir.Node, shapes: dict) -> bool:
+    """Whether graph input ``b``, written by ``update`` as a graph output read nowhere else, can be a (1, n) row:
+    its other uses are a ``Gemm``'s C or an elementwise op against an operand of two or more dimensions."""
+    new = update.outputs[0]
+    if not b.is_graph_input() or not new.is_graph_output() or new.uses():
+        return False
+    for use in b.uses():
+        node, other = use.node, [v for v in use.node.inputs if v is not b]
+        if node is update or (node.op_type == "Gemm" and use.idx == 2 and b not in node.inputs[:2]):
+            continue
+        shape = shapes.get(other[0].name) if len(other) == 1 and other[0] is not None else None
+        if node.op_type not in ("Add", "Sub", "Mul", "Div") or node.domain not in ("", "ai.onnx") \
+                or shape is None or len(shape) < 2:
+            return False
+    return True

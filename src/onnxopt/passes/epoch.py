@@ -8,9 +8,8 @@ outer graph on ``epoch.<input>.last``, so the Scan's final state, that last step
 are stacked in ``epoch.losses`` and summed with every new float tensor in ``epoch.check``. A pack's
 members (weights bound as views of it in the step, ``passes.update``) come from a ``Split`` of the carried
 pack (and a ``Reshape`` for those of two or more dimensions). Every other input (hoisted sample-weight
-values, constants) is read from the outer scope, so it is bound once per epoch. A bias whose SGD update
-is one ``Gemm`` with a ones row (``batch.row_sum_updates``) is carried as a (1, n) row, reshaped before and
-after the Scan: its ``Reshape`` leaves the body, and the ``Gemm`` writes the next state. Otherwise the body
+values, constants) is read from the outer scope, so it is bound once per epoch. A bias the step reads and
+writes as a (1, n) row (``batch.row_sum_updates``) is carried as that row. Otherwise the body
 is the step's graph, node for node: the losses and weights are those of one run per batch, bit for bit
 (tests/test_epoch.py). A ``Loop`` with a ``Gather`` of the batch gave the same numbers 6-21% slower a step
 (onnxruntime 1.19): ``Scan`` slices its inputs without copying and keeps its state in preallocated buffers.
@@ -25,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxopt.passes.batch import RANDOM, ROW
+from onnxopt.passes.batch import RANDOM
 from onnxopt.step import NEW
 
 __all__ = ["epoch_model", "scannable", "PREFIX", "LAST", "CHECK", "COUNT"]
@@ -86,16 +85,6 @@ def _renamed(graph: onnx.GraphProto, names: dict[str, str], default) -> list[onn
     return nodes
 
 
-def _renamed_outputs(node: onnx.NodeProto, names: dict[str, str]) -> onnx.NodeProto:
-    """``node``, or a copy writing ``names[v]`` for each output ``v`` in ``names``."""
-    if not any(o in names for o in node.output):
-        return node
-    copy = onnx.NodeProto()
-    copy.CopyFrom(node)
-    copy.output[:] = [names.get(o, o) for o in node.output]
-    return copy
-
-
 def _check(names: list[str], infos: list[onnx.ValueInfoProto]) -> list[onnx.NodeProto]:
     """Nodes summing every float tensor of ``names`` into ``CHECK`` (in the first one's type): NaN or infinite
     when one of them holds a NaN or an infinity (or when finite values overflow the sum)."""
@@ -130,33 +119,6 @@ def _counters(g: onnx.GraphProto, carried: list[str]) -> dict[str, tuple[onnx.No
     return found
 
 
-def _dims(g: onnx.GraphProto) -> dict[str, tuple]:
-    """The dimensions (int, a name or None) of every value of ``g`` with a known shape."""
-    known = {v.name: _shape(v) for v in [*g.value_info, *g.input, *g.output] if _shape(v) is not None}
-    return {**known, **{t.name: tuple(t.dims) for t in g.initializer}}
-
-
-def _rows(g: onnx.GraphProto, state: list[str], dims: dict[str, tuple]) -> dict[str, onnx.NodeProto]:
-    """Carried vectors the step updates as ``Reshape(Gemm(ones row, ·, C=b), [-1])`` (``batch.row_sum_updates``)
-    and reads otherwise only where a (1, n) row broadcasts to the same values (against an operand of two or
-    more dimensions, or as a ``Gemm``'s C): {name: that Reshape}. The Scan carries them as rows, so the
-    Reshape leaves its body."""
-    producers = {o: n for n in g.node for o in n.output}
-    found = {}
-    for name in state:
-        reshape = producers.get(name + NEW)
-        gemm = producers.get(reshape.input[0]) if reshape is not None and reshape.op_type == "Reshape" else None
-        if gemm is None or gemm.op_type != "Gemm" or gemm.input[0] != ROW or list(gemm.input[2:]) != [name] \
-                or len(dims.get(name, ())) != 1 or any(name + NEW in n.input for n in g.node):
-            continue
-        others = [n for n in g.node if name in n.input and n is not gemm]
-        if all((n.op_type in ("Add", "Sub", "Mul", "Div") and len(n.input) == 2
-                and len(dims.get(next((v for v in n.input if v != name), ""), ())) >= 2)
-               or (n.op_type == "Gemm" and list(n.input[2:]) == [name] and name not in n.input[:2]) for n in others):
-            found[name] = reshape
-    return found
-
-
 def epoch_model(model: onnx.ModelProto, batch_inputs: list[str], carried: list[str],
                 views: tuple[str, list[tuple[str, tuple[int, ...]]]] | None, loss: str) -> onnx.ModelProto:
     """The model running ``model`` once per batch: a Scan over all batches but the last, then the step once
@@ -173,25 +135,15 @@ def epoch_model(model: onnx.ModelProto, batch_inputs: list[str], carried: list[s
     nodes, consts = _views(pack, members, lambda v: v)
     counters = _counters(g, carried)
     state = [n for n in carried if n not in counters]
-    dims = _dims(g)
-    rowed = _rows(g, state, dims)
-    skip = {id(n) for n in (*(node for node, _ in counters.values()), *rowed.values())}
-    as_new = {r.input[0]: name + NEW for name, r in rowed.items()}  # NOTE: the Gemm writes the carried row
-    carry = lambda n, v: _info(n, inputs[v], (1,) if v in rowed else ())  # noqa: E731
+    skip = {id(node) for node, _ in counters.values()}
     # NOTE: Scan wants every body output's shape: a carried tensor keeps its input's
     body = helper.make_graph(
-        [*nodes, *(_renamed_outputs(n, as_new) for n in g.node if id(n) not in skip)], "epoch_body",
-        [*(carry(n, n) for n in state), *(inputs[n] for n in batch_inputs)],
-        [*(carry(n + NEW, n) for n in state), outputs[loss]], [*g.initializer, *consts])
-    row = lambda n: n + ".row" if n.removeprefix(PREFIX).removesuffix(LAST) in rowed else n  # noqa: E731
-    scan = helper.make_node("Scan", [*(row(PREFIX + n) for n in state), *(PREFIX + n for n in batch_inputs)],
-                            [*(row(PREFIX + n + LAST) for n in state), PREFIX + "losses.scan"], body=body,
+        [*nodes, *(n for n in g.node if id(n) not in skip)], "epoch_body",
+        [*(inputs[n] for n in state), *(inputs[n] for n in batch_inputs)],
+        [*(_info(n + NEW, inputs[n]) for n in state), outputs[loss]], [*g.initializer, *consts])
+    scan = helper.make_node("Scan", [*(PREFIX + n for n in state), *(PREFIX + n for n in batch_inputs)],
+                            [*(PREFIX + n + LAST for n in state), PREFIX + "losses.scan"], body=body,
                             num_scan_inputs=len(batch_inputs))
-    shapes = [numpy_helper.from_array(np.array(v, np.int64), PREFIX + k) for k, v in
-              (("row.shape", [1, -1]), ("flat.shape", [-1]))]
-    around = [*(helper.make_node("Reshape", [PREFIX + n, PREFIX + "row.shape"], [row(PREFIX + n)]) for n in rowed),
-              scan, *(helper.make_node("Reshape", [row(PREFIX + n + LAST), PREFIX + "flat.shape"], [PREFIX + n + LAST])
-                      for n in rowed)]
     # NOTE: the last step, renamed: outer names may not be shadowed by the body's
     inner = {*batch_inputs, *carried, *(m for m, _ in members)}
     others = {v.name: v.name for v in g.input if v.name not in inner}
@@ -199,7 +151,7 @@ def epoch_model(model: onnx.ModelProto, batch_inputs: list[str], carried: list[s
     names = {**others, **{n: PREFIX + n + LAST for n in (*carried, *batch_inputs)},
              **{n + NEW: PREFIX + n + NEW for n in carried}}
     view_nodes, view_consts = _views(names.get(pack, ""), members, last)
-    consts = [*view_consts, *shapes, numpy_helper.from_array(np.array([1], np.int64), PREFIX + "loss.shape")]
+    consts = [*view_consts, numpy_helper.from_array(np.array([1], np.int64), PREFIX + "loss.shape")]
     for init in g.initializer:
         copy = onnx.TensorProto()
         copy.CopyFrom(init)
@@ -219,5 +171,5 @@ def epoch_model(model: onnx.ModelProto, batch_inputs: list[str], carried: list[s
     results = [*(_info(PREFIX + n + NEW, inputs[n]) for n in carried),
                *(_info(PREFIX + n + LAST, inputs[n]) for n in carried), _info(PREFIX + "losses", outputs[loss], (None,)),
                _info(CHECK, outputs[loss])]
-    return helper.make_model(helper.make_graph([*around, *tail], "epoch", outer, results, consts),
+    return helper.make_model(helper.make_graph([scan, *tail], "epoch", outer, results, consts),
                              opset_imports=model.opset_import, ir_version=model.ir_version, functions=model.functions)
