@@ -107,19 +107,20 @@ def test_a_target_of_the_wrong_size_is_a_data_error_naming_y(data):
     assert np.isfinite(runner.step(X[:10], y[:10]))
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_relu_gradient_masks_match_the_kernel_at_the_edges(rows):
-    """Both masks of passes/batch.py masked_relu_grads (Sign below LARGE_RELU_GRAD elements, Ceil(Min(y, 1))
-    from there) give onnxruntime-training's ReluGrad bit for bit on a Relu's output at zero, subnormal, tiny,
-    huge and infinite inputs."""
+@pytest.mark.parametrize("rows, dtype", [(1, np.float32), (2, np.float32), (1, np.float64), (2, np.float64)])
+def test_relu_gradient_masks_match_the_kernel_at_the_edges(rows, dtype):
+    """Every mask of passes/batch.py masked_relu_grads (Sign below LARGE_RELU_GRAD elements; from there
+    HardSigmoid(y·2²², alpha=2¹²⁷) in float32, Ceil(Min(y, 1)) in float64) gives dy where y > 0, else 0, bit for
+    bit, on a Relu's output at zero, subnormal, tiny, huge and infinite inputs: onnxruntime-training's ReluGrad
+    in float32, numpy in float64 (the training build has no float64 ReluGrad: the rewrite is what runs)."""
     import onnx_ir as ir
     import onnxruntime as ort
-    from onnx import TensorProto, helper
+    from onnx import helper
 
     from onnxopt.passes.batch import LARGE_RELU_GRAD, masked_relu_grads
 
     cols = LARGE_RELU_GRAD // 2
-    f = TensorProto.FLOAT
+    f = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     graph = helper.make_graph(
         [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("ReluGrad", ["dy", "y"], ["dx"], domain="com.microsoft")],
         "g", [helper.make_tensor_value_info("x", f, [rows, cols]), helper.make_tensor_value_info("dy", f, [rows, cols])],
@@ -130,20 +131,25 @@ def test_relu_gradient_masks_match_the_kernel_at_the_edges(rows):
     model = ir.from_proto(proto)
     assert masked_relu_grads(model, rows) == 1
     ops = {n.op_type for n in model.graph}
-    assert ({"Min", "Ceil"} if rows * cols >= LARGE_RELU_GRAD else {"Sign"}) <= ops and "ReluGrad" not in ops
-    edges = np.array([0.0, -0.0, -1.0, 1e-45, -1e-45, 1e-38, 0.5, 1.0, 1.5, 3e38, np.inf, -np.inf], np.float32)
-    x = np.resize(edges, (rows, cols)).astype(np.float32)
-    dy = np.random.default_rng(0).normal(size=(rows, cols)).astype(np.float32)
+    large = {np.float32: {"HardSigmoid"}, np.float64: {"Min", "Ceil"}}[dtype]
+    assert (large if rows * cols >= LARGE_RELU_GRAD else {"Sign"}) <= ops and "ReluGrad" not in ops
+    tiny = np.finfo(dtype).smallest_subnormal
+    edges = np.array([0.0, -0.0, -1.0, tiny, -tiny, 2 * tiny, np.finfo(dtype).tiny, 0.5, 1.0, 1.5,
+                      np.finfo(dtype).max, np.inf, -np.inf], dtype)
+    x = np.resize(edges, (rows, cols)).astype(dtype)
+    dy = np.random.default_rng(0).normal(size=(rows, cols)).astype(dtype)
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
         None, {"x": x, "dy": dy})[0]
-    np.testing.assert_array_equal(run(ir.to_proto(model)), run(proto))
+    expected = run(proto) if dtype == np.float32 else np.where(x > 0, dy, 0)
+    np.testing.assert_array_equal(run(ir.to_proto(model)), expected)
+    np.testing.assert_array_equal(expected, np.where(x > 0, dy, 0))
 
 
 @pytest.mark.parametrize("batch", [4, 64])
 def test_relu_gradients_become_masked_products_bit_for_bit(rng, batch):
-    """ReluGrad of a Relu's output runs as dy · Ceil(Min(y, 1)) where a batch makes it large (passes/batch.py
-    LARGE_RELU_GRAD), else as dy · Sign(y): same losses and weights as step.model (the builder's ReluGrad) run by
-    a plain session, with half the units dead."""
+    """ReluGrad of a Relu's output runs as a masked product, dy · HardSigmoid(y·2²², alpha=2¹²⁷) where a batch
+    makes it large (passes/batch.py LARGE_RELU_GRAD), else dy · Sign(y): same losses and weights as step.model
+    (the builder's ReluGrad) run by a plain session, with half the units dead."""
     from onnxopt.passes.batch import LARGE_RELU_GRAD
 
     width = 256
@@ -153,7 +159,7 @@ def test_relu_gradients_become_masked_products_bit_for_bit(rng, batch):
     assert collections.Counter(n.op_type for n in step.model.graph.node)["ReluGrad"] == 2  # NOTE: the step keeps them
     ops = collections.Counter(n.op_type for n in cpu_model(step, batch_size=batch).model.graph.node)
     large = batch * width >= LARGE_RELU_GRAD
-    assert ops["ReluGrad"] == ops["Greater"] == ops["Cast"] == 0 and ops["Ceil"] == ops["Min"] == (2 if large else 0)
+    assert ops["ReluGrad"] == ops["Greater"] == ops["Cast"] == 0 and ops["HardSigmoid"] == (2 if large else 0)
     assert ops["Sign"] == (0 if large else 2)
     one_thread = default_session_options(1)  # NOTE: on threads the bias sums change too (test below)
     runner = onnxopt.Runner(step, batch_size=batch, session_options=one_thread)

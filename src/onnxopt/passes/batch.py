@@ -4,8 +4,8 @@
   Runner computes once per batch length when no sample weights are given;
 - ``shaped_target``: the target is fed shaped like the prediction, so ``Reshape(target, Shape(y))`` goes;
 - ``drop_same_shape_reshapes``: ``Reshape(x, Shape(y))`` where shape inference proves ``x`` has ``y``'s shape;
-- ``masked_relu_grads``: ``ReluGrad`` of a ``Relu``'s output as ``dy · Ceil(Min(y, 1))`` where a batch makes it
-  large, else as ``dy · Sign(y)``;
+- ``masked_relu_grads``: ``ReluGrad`` of a ``Relu``'s output as ``dy · HardSigmoid(y·2²², alpha=2¹²⁷)`` (float32)
+  or ``dy · Ceil(Min(y, 1))`` (float64) where a batch makes it large, else as ``dy · Sign(y)``;
 - ``summed_rows``: a sum over the rows of a matrix (a bias gradient) as ``ones · g`` for sessions on threads;
 - ``row_sum_updates``: SGD on a bias, ``b - lr·Σ_rows g``, as one ``Gemm(ones, g, C=b)``, the bias read and
   written as a (1, n) row (the Runner binds views of its vectors) where every other use broadcasts a row alike.
@@ -31,7 +31,8 @@ __all__ = ["RANDOM", "LARGE_RELU_GRAD", "ROW", "hoist", "shaped_target", "drop_s
 # + Mul 0.16 (128x512 on 2 threads: 256, 92, 58 µs): from LARGE_RELU_GRAD elements on three kernels win; below,
 # in W1's Scan (15x50 and 15x10), Sign + Mul take 0.91-0.93 of the step's time (ReluGrad alone looks cheaper there).
 # Min + Ceil + Mul skip the slow bool-to-float Cast: against Greater + Cast + Mul in the Runner's step, paired
-# blocks, 0.93-0.99 of the time on batch-4096, 0.95-0.99 on batch-256, 0.95-1.00 on W3, 1.005 on W5
+# blocks, 0.93-0.99 of the time on batch-4096, 0.95-0.99 on batch-256, 0.95-1.00 on W3, 1.005 on W5; in float32,
+# Mul + HardSigmoid + Mul against those: 0.94-0.97 on batch-4096, 0.93 on batch-256, 0.98 on W3 and W5
 LARGE_RELU_GRAD = 8192
 
 ROW = "batch.ones_row"  # NOTE: ``row_sum_updates``' (1, rows) ones, computed from the sample weights: hoisted
@@ -130,9 +131,11 @@ def drop_same_shape_reshapes(model: ir.Model) -> int:
 
 def masked_relu_grads(model: ir.Model, batch_size: int) -> int:
     """Rewrites ``com.microsoft::ReluGrad(dy, y)`` of a ``Relu``'s output ``y`` (y ≥ 0) as a masked product:
-    ``dy · Ceil(Min(y, 1))`` where ``batch_size`` rows of ``y`` hold at least ``LARGE_RELU_GRAD`` elements, else
-    ``dy · Sign(y)``; both masks are 0 at 0 and 1 above, subnormals included. The same values (a dead unit's zero
-    may take dy's sign; a masked NaN of dy stays NaN), without the kernel's branch per element. Returns how many."""
+    where ``batch_size`` rows of ``y`` hold at least ``LARGE_RELU_GRAD`` elements, ``dy · HardSigmoid(y·2²²,
+    alpha=2¹²⁷)`` in float32 (the smallest subnormal times 2¹⁴⁹ is 1: exact powers of two) and ``dy · Ceil(Min(y,
+    1))`` in float64, else ``dy · Sign(y)``; every mask is 0 at 0 and 1 above, subnormals included. The same values
+    (a dead unit's zero may take dy's sign; a masked NaN of dy stays NaN), without the kernel's branch per
+    element. Returns how many."""
     done = 0
     for node in list(model.graph):
         if node.op_type != "ReluGrad" or node.domain != "com.microsoft":
@@ -145,7 +148,10 @@ def masked_relu_grads(model: ir.Model, batch_size: int) -> int:
         if y.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or not relu:
             continue
         tape = ir.tape.Tape()
-        if large:
+        if large and y.dtype == ir.DataType.FLOAT:  # NOTE: HardSigmoid's alpha is a float32: up to 2^127
+            scale = tape.op("Constant", [], {"value": ir.tensor(np.array(2.0**22, np.float32))})
+            mask = tape.op("HardSigmoid", [tape.op("Mul", [y, scale])], {"alpha": 2.0**127, "beta": 0.0})
+        elif large:
             one = tape.op("Constant", [], {"value": ir.tensor(np.array(1, y.dtype.numpy()))})
             mask = tape.op("Ceil", [tape.op("Min", [y, one])])
         else:
