@@ -93,8 +93,7 @@ def cpu_model(step: TrainStep, batch_size: int = 32, threads: int = 1) -> CpuMod
     (``shaped_target``); their reshapes then go. SGD on a bias becomes one ``Gemm`` with a ones row
     (``row_sum_updates``), ``ReluGrad`` a masked product (``dy · HardSigmoid(y·2²², alpha=2¹²⁷)`` where
     ``batch_size`` rows make it large, else ``dy · Sign(y)``: ``masked_relu_grads``), and for a session on
-    ``threads`` > 1 the other
-    sums over a matrix's rows (bias gradients) ``ones · g`` (``summed_rows``)."""
+    ``threads`` > 1 the other sums over a matrix's rows (bias gradients) ``ones · g`` (``summed_rows``)."""
     model = ir.from_proto(step.model)
     for name in [*step.weights, *step.buffers]:  # NOTE: always bound: the copies made below need not hold them
         model.graph.initializers.pop(name, None)
