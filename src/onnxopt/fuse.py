@@ -59,7 +59,7 @@ def _keep_only(m: ir.Model, value: ir.Value) -> None:
 
 def target_input(graph: ir.Graph, loss: Loss, y: ir.Value) -> ir.Value:
     if loss.target == "index":
-        return graphs.new_input(graph, "target", dtype=ir.DataType.INT64, shape=["N"])
+        return graphs.new_input(graph, "target", dtype=ir.DataType.INT64, shape=[graphs.rows(y)])
     return graphs.new_input(graph, "target", dtype=y.dtype)
 
 
@@ -82,7 +82,7 @@ def loss_graph(loss: Loss, y: ir.Value, opset: int) -> ir.Model:
     model = ir.Model(graph, ir_version=10)
     ins = [graphs.new_input(graph, "y", like=y), target_input(graph, loss, y)]
     if loss.weighted:
-        ins.append(graphs.new_input(graph, "sample_weight", dtype=y.dtype, shape=["N"]))
+        ins.append(graphs.new_input(graph, "sample_weight", dtype=y.dtype, shape=[graphs.rows(y)]))
     out = apply_loss(model, loss, ins)
     out.name = "loss"
     graph.outputs.append(out)
@@ -237,7 +237,8 @@ def compile_train_step(
         loss_value = y
     else:
         target = target_input(g, loss_decl, y)
-        sample_weight = graphs.new_input(g, "sample_weight", dtype=y.dtype, shape=["N"]) if loss_decl.weighted else None
+        sample_weight = (graphs.new_input(g, "sample_weight", dtype=y.dtype, shape=[graphs.rows(y)])
+                         if loss_decl.weighted else None)
         loss_value, dy = _loss_and_grad(fused, loss_decl, y, target, sample_weight)
         y_grad_input = next(v for v in g.inputs if v.name == y.name + "_grad")
         ir.convenience.replace_all_uses_with(y_grad_input, dy)

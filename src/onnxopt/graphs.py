@@ -92,6 +92,14 @@ def new_input(graph: ir.Graph, name: str, like: ir.Value | None = None, dtype: i
     return value
 
 
+def rows(y: ir.Value) -> str:
+    """The name of ``y``'s rows for the inputs of a loss on prediction ``y`` (sample weights, class indices):
+    an exporter's name such as torch.export's "batch", so that passes matching row counts by name
+    (``passes.batch.row_sum_updates``) see the same rows; "N" when they have none."""
+    first = y.shape[0] if y.shape is not None and len(y.shape) else None
+    return first.value if isinstance(first, ir.SymbolicDim) and first.value else "N"
+
+
 def splice(graph: ir.Graph, sub: ir.Graph, inputs: Mapping[str, ir.Value], region: str,
            prefix: str | None = None) -> dict[str, ir.Value]:
     """Moves every node of ``sub`` into ``graph``: sub inputs are replaced by ``inputs[name]``.

@@ -41,7 +41,7 @@ def add_loss_output(
     g = m.graph
     ins = [y, target_input(g, decl, y)]
     if decl.weighted:
-        ins.append(graphs.new_input(g, "sample_weight", dtype=y.dtype, shape=["N"]))
+        ins.append(graphs.new_input(g, "sample_weight", dtype=y.dtype, shape=[graphs.rows(y)]))
     value = apply_loss(m, decl, ins)
     if pen is not None:
         terms = [graphs.call(m, pen.fn, [g.initializers[n]], pen.call_attrs(), f"penalty/{n}")[0]

@@ -184,3 +184,43 @@ def test_frozen_trains_only_the_head(exporter):
     assert before.keys() == after.keys()
     moved = sorted(n for n in before if not np.array_equal(before[n], after[n]))
     assert moved == ["head.bias", "head.weight"]
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "script"])
+def test_wide_relu_export_follows_torch_sgd_at_a_large_batch(exporter):
+    """A wide ReLU MLP exported by torch at a batch where the Runner's CPU model masks ReluGrad with
+    HardSigmoid(y·2²², alpha=2¹²⁷) and updates each bias as a (1, n) row in its Gemm (passes/batch.py): 8
+    SGD steps by Runner.step and Runner.epoch give torch.optim.SGD's losses and weights."""
+    from onnxopt.passes.batch import LARGE_RELU_GRAD
+    from onnxopt.runner import cpu_model
+    from zoo.models import export
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                 torch.nn.Linear(64, 1))
+    batch = 256
+    assert batch * 64 >= LARGE_RELU_GRAD
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(8 * batch, 16)).astype(np.float32)
+    y = np.tanh(X[:, :4].sum(axis=1, keepdims=True)).astype(np.float32)
+    model = export(module, X[:4], exporter)
+    step = onnxopt.compile_train_step(model, loss="square", update="sgd", learning_rate=0.05)
+    cpu = cpu_model(step, batch)
+    ops = {n.op_type for n in cpu.model.graph.node}
+    assert "HardSigmoid" in ops and "ReluGrad" not in ops and len(cpu.rows) == 3
+    reference = torch.optim.SGD(module.parameters(), lr=0.05)
+    theirs = []
+    for i in range(0, len(X), batch):
+        reference.zero_grad()
+        loss = torch.nn.functional.mse_loss(module(torch.from_numpy(X[i:i + batch])), torch.from_numpy(y[i:i + batch]))
+        loss.backward()
+        reference.step()
+        theirs.append(loss.item())
+    stepped, looped = onnxopt.Runner(step, batch_size=batch), onnxopt.Runner(step, batch_size=batch)
+    ours = [stepped.step(X[i:i + batch], y[i:i + batch]) for i in range(0, len(X), batch)]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4)
+    np.testing.assert_allclose(looped.epoch(X, y), theirs, rtol=1e-4)
+    with torch.no_grad():  # NOTE: the trained weights, through the exported model's predictions
+        expected = module(torch.from_numpy(X)).numpy()
+    for runner in (stepped, looped):
+        np.testing.assert_allclose(predict(runner.export(), X), expected, rtol=1e-4, atol=1e-5)
