@@ -221,34 +221,30 @@ class Runner:
 
     # -- buffers -----------------------------------------------------------------------------------------
     def _zeros_like(self, initial: Mapping[str, np.ndarray]) -> dict[str, ort.OrtValue]:
-        out, members, hosts, rows = {}, set(), [], {}
+        arrays, hosts = {}, []  # NOTE: each tensor's host memory: its own array, or a view of its pack's
         for pack, names in self._packs.items():  # NOTE: one flat buffer per pack, each member a view of it
             shapes = [initial[n if n in initial else n.rsplit(".", 1)[0]].shape for n in names]
             flat = np.zeros(sum(int(np.prod(sh)) for sh in shapes), self.dtype)
             hosts.append(flat)
-            out[pack] = ort.OrtValue.ortvalue_from_numpy(flat, self.device, 0)
+            arrays[pack] = flat
             offset = 0
             for name, shape in zip(names, shapes):
                 size = int(np.prod(shape))
-                out[name] = ort.OrtValue.ortvalue_from_numpy(flat[offset:offset + size].reshape(shape), self.device, 0)
-                if name in self._rows:
-                    rows[name] = ort.OrtValue.ortvalue_from_numpy(flat[offset:offset + size].reshape(1, -1), self.device, 0)
+                arrays[name] = flat[offset:offset + size].reshape(shape)
                 offset += size
-            members.update(names)
         for name in self._carried:
-            if name in members:
+            if name in arrays:
                 continue
             if name == STEP:
                 arr = np.zeros((), np.int64)
             else:
                 arr = np.zeros_like(initial[name if name in initial else name.rsplit(".", 1)[0]])
             hosts.append(arr)
-            out[name] = ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
-            if name in self._rows:
-                rows[name] = ort.OrtValue.ortvalue_from_numpy(arr.reshape(1, -1), self.device, 0)
+            arrays[name] = arr
         self._hosts.append(hosts)  # NOTE: on CPU the OrtValues wrap these arrays
-        self._row_sets.append(rows)
-        return out
+        value = lambda a: ort.OrtValue.ortvalue_from_numpy(a, self.device, 0)  # noqa: E731
+        self._row_sets.append({name: value(arrays[name].reshape(1, -1)) for name in self._rows})
+        return {name: value(a) for name, a in arrays.items()}
 
     def _bound_value(self, k: int, name: str) -> C.OrtValue:
         """The OrtValue of set ``k`` bound for ``name``: a (1, n) view for a vector the model reads as a row."""
