@@ -32,7 +32,7 @@ __all__ = ["RANDOM", "LARGE_RELU_GRAD", "ROW", "hoist", "shaped_target", "drop_s
 # in W1's Scan (15x50 and 15x10), Sign + Mul take 0.91-0.93 of the step's time (ReluGrad alone looks cheaper there).
 # Min + Ceil + Mul skip the slow bool-to-float Cast: against Greater + Cast + Mul in the Runner's step, paired
 # blocks, 0.93-0.99 of the time on batch-4096, 0.95-0.99 on batch-256, 0.95-1.00 on W3, 1.005 on W5; in float32,
-# Mul + HardSigmoid + Mul against those: 0.94-0.97 on batch-4096, 0.93 on batch-256, 0.98 on W3 and W5
+# Mul + HardSigmoid + Mul against Min + Ceil + Mul: 0.94-0.97 on batch-4096, 0.93 on batch-256, 0.98 on W3 and W5
 LARGE_RELU_GRAD = 8192
 
 ROW = "batch.ones_row"  # NOTE: ``row_sum_updates``' (1, rows) ones, computed from the sample weights: hoisted
