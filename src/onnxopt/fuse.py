@@ -22,8 +22,8 @@ from onnxopt.dsl.check import check_step_functions
 from onnxopt.dsl.core import Loss, Penalty, Schedule, UpdateRule
 from onnxopt.dsl.losses import flat_pair, weighted_mean, weighted_sum
 from onnxopt.errors import DslError, ModelError, WeightError
-from onnxopt.gradient import check_weights, gradient_ir
-from onnxopt.modelio import ModelLike, load_model, require_training_build, runtime_limits
+from onnxopt.gradient import check_weights, gradient_ir, gradient_source, has_training_build
+from onnxopt.modelio import ModelLike, load_model, runtime_limits
 from onnxopt.passes.lower import (BROKEN_FLOAT64_KERNELS, BROKEN_KERNELS, check_portable, crops_as_slices,
                                   lower_training_ops)
 from onnxopt.passes.modes import apply_mode, running_updates, split_statistics
@@ -90,7 +90,7 @@ def loss_graph(loss: Loss, y: ir.Value, opset: int) -> ir.Model:
     return model
 
 
-def _loss_and_grad(model: ir.Model, loss: Loss, y: ir.Value, t: ir.Value, sw: ir.Value | None):
+def _loss_and_grad(model: ir.Model, loss: Loss, y: ir.Value, t: ir.Value, sw: ir.Value | None, gradient: str):
     """Adds the loss of ``y`` and its gradient dloss/dy to ``model``; derived by ORT unless ``loss.grad``."""
     ins = [y, t] + ([sw] if sw is not None else [])
     fast = _elementwise_loss(model, loss, y, t, sw) if sw is not None else None
@@ -102,7 +102,7 @@ def _loss_and_grad(model: ir.Model, loss: Loss, y: ir.Value, t: ir.Value, sw: ir
         value = apply_loss(model, loss, ins)
         return value, graphs.call(model, loss.grad, ins, loss.call_attrs(), "loss/grad")[0]
     standalone = loss_graph(loss, y, model.opset_imports[""])
-    derived, _ = gradient_ir(standalone, [], ["y"], keep_outputs=True, fill_grad=True)
+    derived, _ = gradient_ir(standalone, [], ["y"], keep_outputs=True, fill_grad=True, gradient=gradient)
     outs = graphs.splice(model.graph, derived.graph, dict(zip(["y", "target", "sample_weight"], ins)), "loss")
     return outs["loss"], outs["y_grad"]
 
@@ -126,7 +126,7 @@ def _elementwise_loss(model: ir.Model, loss: Loss, y: ir.Value, t: ir.Value, sw:
     return value, tape.op("Reshape", [grad, tape.op("Shape", [y])])
 
 
-def _penalty_and_grad(model: ir.Model, penalty: Penalty, w: ir.Value) -> tuple[ir.Value, ir.Value]:
+def _penalty_and_grad(model: ir.Model, penalty: Penalty, w: ir.Value, gradient: str) -> tuple[ir.Value, ir.Value]:
     region = f"penalty/{w.name}"
     value = graphs.call(model, penalty.fn, [w], penalty.call_attrs(), region)[0]
     if penalty.grad is not None:
@@ -137,7 +137,7 @@ def _penalty_and_grad(model: ir.Model, penalty: Penalty, w: ir.Value) -> tuple[i
     out.name = "p"
     standalone.graph.outputs.append(out)
     passes.InlinePass()(standalone)
-    derived, _ = gradient_ir(standalone, [], ["w"], keep_outputs=False, fill_grad=True)
+    derived, _ = gradient_ir(standalone, [], ["w"], keep_outputs=False, fill_grad=True, gradient=gradient)
     return value, graphs.splice(model.graph, derived.graph, {"w": w}, "penalty", prefix=region)["w_grad"]
 
 
@@ -174,6 +174,7 @@ def compile_train_step(
     mode: str = "train",
     frozen: Sequence[str] | None = None,
     portable: bool = False,
+    gradient: str | None = None,
 ) -> TrainStep:
     """Compiles one training step of ``model`` into a single ONNX graph (see ``step.TrainStep`` for its names).
 
@@ -193,9 +194,13 @@ def compile_train_step(
             running statistics carried as ``TrainStep.buffers``) or "eval" (both as at inference).
         frozen: initializers never trained, even when ``weights=None`` picks them.
         portable: lower the training-only ops of the backward graph to standard ONNX (``passes.lower``): the
-            step then runs on stock onnxruntime, onnxruntime-gpu or onnx.reference (docs/portable.md).
+            step then runs on stock onnxruntime, onnxruntime-gpu or onnx.reference (docs/portable.md). Always
+            on when onnxruntime is not the training build.
+        gradient: "onnxopt" (its own rules, any onnxruntime), "builder" (onnxruntime-training's), or None/"auto"
+            (``gradient.gradient_source``); docs/gradients.md compares them.
     """
-    require_training_build("compile_train_step")
+    source = gradient_source(gradient)
+    portable = portable or not has_training_build()  # NOTE: stock onnxruntime runs standard ONNX only
     m = load_model(model)
     split_statistics(m)  # NOTE: also in the inference model, so export() writes statistics and weights apart
     inference = ir.to_proto(m)
@@ -219,7 +224,8 @@ def compile_train_step(
         if init.name in initial:
             for field in ("raw_data", "float_data", "double_data"):
                 init.ClearField(field)
-    fused, forward = gradient_ir(m, names, (), keep_outputs=True, fill_grad=not by_output, portable=portable)
+    fused, forward = gradient_ir(m, names, (), keep_outputs=True, fill_grad=not by_output, portable=portable,
+                                 gradient=source)
     g = fused.graph
     if forward[0].type is None:  # NOTE: the builder drops the value info of outputs that feed the YieldOp
         forward[0].type, forward[0].shape = y.type or ir.TensorType(initial[names[0]].dtype), y.shape
@@ -239,7 +245,7 @@ def compile_train_step(
         target = target_input(g, loss_decl, y)
         sample_weight = (graphs.new_input(g, "sample_weight", dtype=y.dtype, shape=[graphs.rows(y)])
                          if loss_decl.weighted else None)
-        loss_value, dy = _loss_and_grad(fused, loss_decl, y, target, sample_weight)
+        loss_value, dy = _loss_and_grad(fused, loss_decl, y, target, sample_weight, source)
         y_grad_input = next(v for v in g.inputs if v.name == y.name + "_grad")
         ir.convenience.replace_all_uses_with(y_grad_input, dy)
         g.inputs.remove(y_grad_input)
@@ -251,7 +257,7 @@ def compile_train_step(
     if pen is not None:
         terms = []
         for i, w in enumerate(ws):
-            p, pg = _penalty_and_grad(fused, pen, w)
+            p, pg = _penalty_and_grad(fused, pen, w, source)
             terms.append(p)
             grads[i] = tape.op("Add", [grads[i], pg])
         loss_value = tape.op("Add", [loss_value, terms[0] if len(terms) == 1 else tape.op("Sum", terms)])

@@ -20,7 +20,8 @@ from onnxopt.errors import ModelError, NotDifferentiableError, WeightError
 from onnxopt.modelio import ModelLike, check_protobuf_size, load_model, require_training_build
 from onnxopt.passes.modes import apply_mode
 
-__all__ = ["train_initializers", "gradient_model", "gradient_ir", "FLOAT_TYPES", "agent_model", "TrainingAgent"]
+__all__ = ["train_initializers", "gradient_model", "gradient_ir", "FLOAT_TYPES", "agent_model", "TrainingAgent",
+           "GRADIENT_SOURCES", "gradient_source"]
 
 logger = logging.getLogger(__name__)
 
@@ -296,20 +297,49 @@ def _missing_gradients(m: ir.Model, weights: Sequence[str], inputs: Sequence[str
     return missing
 
 
+GRADIENT_SOURCES = ("onnxopt", "builder")
+
+
+def has_training_build() -> bool:
+    import onnxruntime
+
+    return getattr(onnxruntime.capi._pybind_state, "OrtModuleGraphBuilder", None) is not None
+
+
+def gradient_source(gradient: str | None = None) -> str:
+    """The gradient source ``gradient`` names: "onnxopt" (onnxopt's own rules, ``onnxopt.autodiff``: standard
+    ONNX on any onnxruntime), "builder" (onnxruntime-training's gradient builder, where it is installed), or
+    None/"auto": $ONNXOPT_GRADIENT if set, else "onnxopt" (docs/gradients.md says why)."""
+    import os
+
+    if gradient in (None, "auto"):
+        gradient = os.environ.get("ONNXOPT_GRADIENT") or "onnxopt"
+    if gradient not in GRADIENT_SOURCES:
+        raise ValueError(f"gradient: expected one of {list(GRADIENT_SOURCES)} or 'auto', got {gradient!r}")
+    if gradient == "builder":
+        require_training_build("gradient='builder'")
+    return gradient
+
+
 def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (), mode: str | None = None,
-                   portable: bool = False) -> ir.Model:
-    """Runs ORT's builder on ``m``: forward, a ``com.microsoft:YieldOp``, backward; every initializer an input.
+                   portable: bool = False, gradient: str | None = None) -> ir.Model:
+    """Forward, a ``com.microsoft:YieldOp``, backward, from onnxopt's rules or ORT's builder (``gradient``).
     ``mode`` ("train", "eval", None = each node as written) rewrites Dropout and BatchNormalization;
     ``portable`` unrolls GRU/LSTM first (their gradient kernels exist in the training build only)."""
     from onnxopt.rules import lower_for_gradient
 
-    require_training_build("the gradient graph")  # NOTE: gradient_model, ForwardBackward, compile on stock ORT
-    check_protobuf_size(m, "onnxruntime-training's gradient builder")
+    source = gradient_source(gradient)
+    if source == "builder":
+        check_protobuf_size(m, "onnxruntime-training's gradient builder")
     m = ir.from_proto(ir.to_proto(m))
     # NOTE: BatchNormalization and Dropout as written or as ``mode`` says, running statistics not carried; ORT's
     # builder would swap in a kernel that writes them in place (compile_train_step applies its mode= before)
     apply_mode(m, mode)
-    m = lower_for_gradient(m, portable)
+    m = lower_for_gradient(m, portable or source == "onnxopt")
+    if source == "onnxopt":
+        from onnxopt.autodiff import differentiate
+
+        return differentiate(m, weights, inputs)
     proto = ir.to_proto(m)
     try:
         return ir.from_proto(_run_builder(proto, weights, inputs))
@@ -361,9 +391,12 @@ def _yield_rewrite(g: ir.Graph, keep_outputs: bool, fill_grad: bool) -> list[ir.
     node = yields[0]
     forward_outputs = list(node.inputs)
     grads = list(node.outputs)
+    skipped = node.attributes.get("non_differentiable_outputs")
+    skipped = set(skipped.as_ints()) if skipped is not None else set()
+    differentiable = [v for i, v in enumerate(forward_outputs) if i not in skipped]
     # NOTE: detach first so the YieldOp can be removed before its outputs get new producers.
     replacements = []
-    for fwd, grad in zip(forward_outputs, grads):
+    for fwd, grad in zip(differentiable, grads):
         if fill_grad:
             tape = ir.tape.Tape()
             one = tape.op("Constant", [], {"value": ir.tensor(np.array(1, dtype=np.int64))})
@@ -413,6 +446,7 @@ def gradient_ir(
     fill_grad: bool = False,
     mode: str | None = None,
     portable: bool = False,
+    gradient: str | None = None,
 ) -> tuple[ir.Model, list[ir.Value]]:
     """The gradient graph of ``m`` as an ``ir.Model``, plus its forward-output values (see ``gradient_model``;
     ``portable``: see ``build_gradient``)."""
@@ -420,7 +454,7 @@ def gradient_ir(
     if unknown:
         names = [v.name for v in m.graph.inputs]
         raise ModelError(f"inputs: {unknown} are not inputs of the model (expected some of {names})")
-    grad = build_gradient(m, weights, inputs, mode, portable)
+    grad = build_gradient(m, weights, inputs, mode, portable, gradient)
     _lower_unsized_pool_grads(grad)
     _tag_regions(grad.graph)
     forward = _yield_rewrite(grad.graph, keep_outputs, fill_grad)
@@ -441,6 +475,7 @@ def gradient_model(
     keep_outputs: bool = False,
     fill_grad: bool = False,
     mode: str | None = None,
+    gradient: str | None = None,
 ) -> onnx.ModelProto:
     """Builds the backward graph of ``model`` with onnxruntime-training (onnxcustom's ``onnx_derivative``).
 
@@ -453,6 +488,7 @@ def gradient_model(
         mode: "train" (Dropout active, BatchNormalization with batch statistics) or "eval" (Dropout the
             identity, BatchNormalization with the model's statistics), as ``compile_train_step``'s; None = each
             node as its ``training_mode`` says. Running statistics are not updated.
+        gradient: "onnxopt" (its own rules), "builder" (onnxruntime-training) or "auto" (``gradient_source``).
 
     Returns:
         A model with inputs (model inputs, weights, ``<output>_grad`` unless filled) and outputs
@@ -460,7 +496,7 @@ def gradient_model(
     """
     m = load_model(model)
     names = check_weights(m, weights)
-    grad, _ = gradient_ir(m, names, list(inputs or ()), keep_outputs, fill_grad, mode)
+    grad, _ = gradient_ir(m, names, list(inputs or ()), keep_outputs, fill_grad, mode, gradient=gradient)
     return ir.to_proto(grad)
 
 
@@ -468,7 +504,8 @@ def agent_model(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (),
                 ) -> tuple[onnx.ModelProto, list[int]]:
     """The builder's graph as ``TrainingAgent`` runs it, YieldOp kept, plus the indices of the outputs that
     take no gradient (integer labels...). Inputs: model inputs then ``weights``; outputs: ``<name>_grad``."""
-    grad = build_gradient(m, weights, inputs, mode)
+    require_training_build("ForwardBackward (onnxruntime-training's TrainingAgent)")
+    grad = build_gradient(m, weights, inputs, mode, gradient="builder")
     _restore_constants(grad.graph, m.graph, weights)
     grad.ir_version = 10
     node = next(n for n in grad.graph if n.op_type == "YieldOp")

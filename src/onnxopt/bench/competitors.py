@@ -66,12 +66,16 @@ class Onnxopt(Competitor):
 
     name = "onnxopt"
     per_step = False
+    gradient = "onnxopt"
 
     def setup(self, wl, X, y, weights):
         import onnxopt
+        from onnxopt.gradient import has_training_build
 
+        if self.gradient == "builder" and not has_training_build():
+            raise Skipped("gradient='builder' needs onnxruntime-training (Python <= 3.12)")
         step = onnxopt.compile_train_step(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update),
-                                          learning_rate=wl.lr)
+                                          learning_rate=wl.lr, gradient=self.gradient)
         # NOTE: counted before the memory baseline: the counting session's memory is not the runner's
         self.nodes = ort_kernels(runner_model(step, wl.batch, wl.threads), wl.threads)
         self.rss_before = rss()  # NOTE: the runner's memory is measured from here, after compiling
@@ -116,6 +120,13 @@ class OnnxoptStep(Onnxopt):
 
     name = "onnxopt step()"
     per_step = True
+
+
+class OnnxoptBuilder(Onnxopt):
+    """The same Runner on a step whose backward graph comes from onnxruntime-training's builder."""
+
+    name = "onnxopt, builder gradient"
+    gradient = "builder"
 
 
 def runner_model(step, batch_size: int = 32, threads: int = 1) -> onnx.ModelProto:
@@ -392,5 +403,5 @@ class OrtMatmul(Matmul):
         self.sess.run(None, self.feeds)
 
 
-COMPETITORS = [Onnxopt, OnnxoptStep, TorchEager, TorchCompile, OrtTraining, Sklearn]
+COMPETITORS = [Onnxopt, OnnxoptBuilder, OnnxoptStep, TorchEager, TorchCompile, OrtTraining, Sklearn]
 REFERENCES = [NumpyMatmul, OrtMatmul]  # NOTE: timed with the trainers on W3 and W5

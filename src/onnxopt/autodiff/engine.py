@@ -1,0 +1,355 @@
+"""The reverse pass: from the graph outputs back to the requested weights and inputs, one rule per node.
+
+``differentiate`` walks the nodes in reverse topological order. Only the nodes on a path from a requested value
+(a weight or an input) to a float output are differentiated; the gradient of a value read several times is the
+sum of its readers' contributions; each rule returns the gradients of the inputs it is asked for (``Ctx.need``).
+The result has the layout of onnxruntime-training's builder, so the passes after it do not know which ran:
+forward nodes, a ``com.microsoft:YieldOp`` whose inputs are the forward outputs and whose outputs are their
+gradients ``<output>_grad``, then the backward nodes; graph outputs ``<input>_grad``... and ``<weight>_grad``...
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import onnx
+import onnx_ir as ir
+
+from onnxopt.errors import ModelError, NotDifferentiableError, WeightError
+from onnxopt.passes.lower import _Op
+
+__all__ = ["Rule", "RULES", "rule", "Ctx", "differentiate", "FLOATS"]
+
+FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+REGION = "onnxopt.region"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The vector-Jacobian product of one op: ``fn(ctx)`` returns the gradient of each input (None: not asked
+    for, or zero). ``inputs``: the positions that can carry a gradient (None: every float input)."""
+
+    op_type: str
+    fn: Callable
+    family: str
+    domain: str = ""
+    inputs: tuple[int, ...] | None = None
+    doc: str = ""
+
+
+RULES: dict[tuple[str, str], Rule] = {}
+
+
+def rule(*op_types: str, family: str, domain: str = "", inputs: Sequence[int] | None = None):
+    """Registers the decorated function as the rule of ``op_types`` in ``RULES``."""
+    def register(fn):
+        doc = (fn.__doc__ or "").strip().split("\n")[0]
+        for op_type in op_types:
+            RULES[domain, op_type] = Rule(op_type, fn, family, domain, None if inputs is None else tuple(inputs), doc)
+        return fn
+    return register
+
+
+class Ctx(_Op):
+    """What a rule sees of its node: ``I(i)``, ``O(i)``, ``GO(i)`` (None when no gradient reaches output i),
+    ``go(i)`` (zeros then), ``need(i)``, ``attr(name, default)``, and ``op.<OpType>(...)`` calls that record the
+    backward nodes (``const``, ``ints``, ``dims``, ``rank`` from ``passes.lower``)."""
+
+    def __init__(self, node: ir.Node, grads: list[ir.Value | None], need: set[int], inferred: dict | None = None,
+                 types: dict | None = None):
+        super().__init__(node, inferred)
+        self._grads, self._need, self._types = grads, need, types or {}
+
+    def dtype(self, value: ir.Value) -> ir.DataType | None:
+        """``value``'s element type: its own, else ONNX shape inference's."""
+        return value.dtype if value.dtype is not None else self._types.get(value.name)
+
+    def I(self, i: int) -> ir.Value | None:  # noqa: E743 (the notation of gradient definitions)
+        return self.node.inputs[i] if i < len(self.node.inputs) else None
+
+    def O(self, i: int) -> ir.Value:  # noqa: E743
+        return self.node.outputs[i]
+
+    def GO(self, i: int) -> ir.Value | None:
+        return self._grads[i] if i < len(self._grads) else None
+
+    def go(self, i: int) -> ir.Value:
+        g = self.GO(i)
+        return g if g is not None else self.Expand(self.const(0.0, self.O(i)), self.Shape(self.O(i)))
+
+    def need(self, i: int) -> bool:
+        return i in self._need
+
+    wanted = need  # NOTE: the lowerings of passes.lower ask ``wanted(i)`` for the gradient of input i
+
+    def attr(self, name: str, default=None):
+        a = self.node.attributes.get(name)
+        return default if a is None else a.value
+
+    def attrs(self, *names: str) -> dict:
+        return {n: self.node.attributes[n].value for n in names if n in self.node.attributes}
+
+    def static_dims(self, value: ir.Value) -> tuple | None:
+        """``value``'s shape with every dimension an int or a symbol (None if its rank is unknown)."""
+        if value is not None and value.shape is None and value.name in self.inferred:
+            # NOTE: ranks only: ONNX inference can get sizes wrong on the rewritten graphs (STFT's frames)
+            return tuple(f"?{value.name}{k}" for k in range(len(self.inferred[value.name])))
+        return None if value is None or value.shape is None else tuple(value.shape)
+
+    def unbroadcast(self, g: ir.Value, i: int) -> ir.Value:
+        """``g`` summed over the axes along which input ``i`` was broadcast, shaped as input ``i``."""
+        x = self.I(i)
+        xs, ys = self.static_dims(x), self.static_dims(self.O(0))
+        if xs is not None and ys is not None and len(ys) >= len(xs):
+            lead = len(ys) - len(xs)
+            known = all(isinstance(d, int) or d == ys[lead + k] for k, d in enumerate(xs))
+            if known:
+                inner = [lead + k for k, d in enumerate(xs) if d == 1 and ys[lead + k] != 1]
+                if not lead and not inner:
+                    return g
+                if not inner:  # NOTE: the builder's form, which passes.batch turns into a bias Gemm for SGD
+                    return self.ReduceSum(g, self.ints(range(lead)), keepdims=0)
+                s = self.ReduceSum(g, self.ints([*range(lead), *inner]), keepdims=1)
+                if lead:
+                    shape = self.ints(xs) if all(isinstance(d, int) for d in xs) else self.Shape(x)
+                    s = self.Reshape(s, shape)
+                return s
+        from onnxopt.passes.lower import _unbroadcast
+
+        return _unbroadcast(self, g, x)
+
+
+_FLOAT_TYPES = {"tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)"}
+
+
+@functools.lru_cache(maxsize=None)
+def _float_outputs(domain: str, op_type: str, opset: int) -> tuple[bool, ...] | None:
+    """Which outputs of the op's schema may be float (None when onnx does not know the op)."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, domain)
+    except onnx.defs.SchemaError:
+        return None
+    allowed = {tc.type_param_str: set(tc.allowed_type_strs) for tc in schema.type_constraints}
+    return tuple(bool(_FLOAT_TYPES & allowed.get(o.type_str, {o.type_str})) for o in schema.outputs)
+
+
+def _is_float(v: ir.Value | None, types: dict) -> bool:
+    """A value that can carry a gradient: a float, or of a type shape inference left unknown that its op's
+    schema allows to be float."""
+    dtype = None if v is None else v.dtype or types.get(v.name)
+    if v is None or dtype is not None:
+        return v is not None and dtype in FLOATS
+    node = v.producer()
+    if node is None:
+        return True
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    opset = node.graph.opset_imports.get(domain, 1) if node.graph is not None else 21
+    floats = _float_outputs(domain, node.op_type, opset)
+    if floats is None:
+        return True
+    return bool(floats) and floats[min(v.index(), len(floats) - 1)]
+
+
+def _active_nodes(graph: ir.Graph, wrt: set[ir.Value], types: dict) -> tuple[set, list[ir.Node]]:
+    """The values depending on ``wrt`` through float values, and the nodes to differentiate (reverse order):
+    those with an active input and an output from which a float graph output depends."""
+    active = set(wrt)
+    for node in graph:
+        if any(v in active for v in node.inputs if v is not None):
+            active.update(o for o in node.outputs if _is_float(o, types))
+    useful = {v for v in graph.outputs if v in active}
+    todo = []
+    for node in reversed(list(graph)):
+        if any(o in useful for o in node.outputs):
+            ins = [v for v in node.inputs if v is not None and v in active]
+            if ins:
+                useful.update(ins)
+                todo.append(node)
+    return active & useful, todo
+
+
+def _sum(tape_op: _Op, parts: list[ir.Value]) -> ir.Value:
+    if len(parts) == 1:
+        return parts[0]
+    return tape_op.Add(*parts) if len(parts) == 2 else tape_op.Sum(*parts)
+
+
+def _rule_of(node: ir.Node) -> Rule | None:
+    return RULES.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+
+
+def _check_rules(todo: list[ir.Node], active: set) -> None:
+    """Raises NotDifferentiableError listing every node on a gradient path whose op has no rule."""
+    missing = [n for n in todo if _rule_of(n) is None]
+    if missing:
+        listed = ", ".join(f"{n.domain or 'ai.onnx'}::{n.op_type} (node {n.name!r}, inputs needing a gradient "
+                           f"{[v.name for v in n.inputs if v is not None and v in active]})" for n in missing)
+        raise NotDifferentiableError(
+            f"model: onnxopt has no gradient rule for {len(missing)} node(s): {listed}; expected ops of "
+            "docs/ops.md (rewrite these ops into differentiable ones, or leave the weights before them out with "
+            "frozen=)", [(n.op_type, n.name or "") for n in missing])
+
+
+def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = ()) -> ir.Model:
+    """Adds the YieldOp and the backward graph to ``m`` (in place; weights become graph inputs) and returns it."""
+    from onnxopt.autodiff import load_rules
+
+    load_rules()
+    g = m.graph
+    wrt: list[ir.Value] = [v for v in g.inputs if v.name in set(inputs)]
+    wrt.sort(key=lambda v: list(inputs).index(v.name))
+    for name in weights:
+        value = g.initializers.pop(name)
+        value.const_value = None
+        g.inputs.append(value)
+        wrt.append(value)
+    for node in g:
+        node.metadata_props.setdefault(REGION, "forward")
+    dims, types = _infer(m)
+    active, todo = _active_nodes(g, set(wrt), types)
+    _check_rules(todo, active)
+    outputs = list(g.outputs)
+    no_grad = [i for i, o in enumerate(outputs) if o not in active]
+    # NOTE: as the builder: one YieldOp output per differentiable forward output, the others listed
+    # NOTE: ranks only: a declared size can be ONNX inference's, which onnxruntime's kernel may not follow (STFT)
+    yield_outs = [ir.Value(name=f"{o.name}_grad", type=o.type or (ir.TensorType(types[o.name]) if o.name in types
+                                                                 else None),
+                           shape=None if o.shape is None else ir.Shape([d if isinstance(d, ir.SymbolicDim) else None
+                                                                       for d in o.shape]))
+                  for o in outputs if o in active]
+    yield_node = ir.node("YieldOp", outputs, domain="com.microsoft", outputs=yield_outs,
+                         attributes={"non_differentiable_outputs": ir.AttrInt64s("non_differentiable_outputs", no_grad),
+                                     "full_shape_outputs": ir.AttrInt64s("full_shape_outputs",
+                                                                         list(range(len(outputs))))},
+                         metadata_props={REGION: "backward"})
+    g.append(yield_node)
+    grads: dict[ir.Value, list[ir.Value]] = {}
+    for o, go in zip([o for o in outputs if o in active], yield_outs):
+        grads.setdefault(o, []).append(go)
+    backward: list[ir.Node] = []
+    for node in todo:
+        finishing = _Op(node)
+        outs = []
+        for o in node.outputs:
+            parts = grads.pop(o, None)
+            outs.append(None if not parts else _sum(finishing, parts))
+        backward += finishing.tape.nodes
+        if all(go is None for go in outs):
+            continue
+        need = {i for i, v in enumerate(node.inputs) if v is not None and v in active}
+        r = _rule_of(node)
+        if r.inputs is not None:
+            need &= set(r.inputs)
+        if not need:
+            continue
+        ctx = Ctx(node, outs, need, dims, types)
+        try:
+            gis = r.fn(ctx)
+        except (ModelError, NotDifferentiableError):
+            raise
+        except Exception as exc:  # NOTE: a rule's own limit (a rank it needs, an attribute it lacks)
+            raise ModelError(f"model: onnxopt could not differentiate {node.op_type} node {node.name!r} (inputs "
+                             f"{[v.name if v is not None else '' for v in node.inputs]}): {exc}") from exc
+        gis = [gis] if isinstance(gis, ir.Value) else list(gis)
+        backward += ctx.tape.nodes
+        for i in sorted(need):
+            gi = gis[i] if i < len(gis) else None
+            if gi is None:
+                continue
+            x = node.inputs[i]
+            if gi.type is None:
+                gi.type = x.type
+            if gi.shape is None and x.shape is not None:
+                gi.shape = x.shape
+            grads.setdefault(x, []).append(gi)
+    final = _Op(yield_node)
+    results = []
+    for v in wrt:
+        parts = grads.pop(v, None)
+        if not parts:
+            if v.name in weights:
+                readers = [f"{n.op_type} node {n.name!r}" for n, _ in v.uses()]
+                where = f"read only by {readers}" if readers else "it does not reach the output"
+                raise WeightError(f"weights: {v.name!r} gets no gradient ({where}); expected a parameter: leave it "
+                                  f"out with frozen=[{v.name!r}] or weights=")
+            parts = [final.Expand(final.const(0.0, v), final.Shape(v))]
+        out = _sum(final, parts)
+        if out in results or out.is_graph_input() or out.producer() is None or out.producer().op_type == "YieldOp":
+            out = final.Identity(out)
+        results.append(out)
+    backward += final.tape.nodes
+    for n in backward:
+        n.metadata_props[REGION] = "backward"
+    g.extend(backward)
+    for v, out in zip(wrt, results):
+        out.name = f"{v.name}_grad"
+        out.type, out.shape = v.type, v.shape
+    _name_values(g)
+    g.outputs.clear()
+    g.outputs.extend(results)
+    return m
+
+
+def _infer(m: ir.Model) -> tuple[dict, dict]:
+    """(name -> dims, name -> element type) of every value by ONNX shape inference on a copy (not strict: the
+    values after an op it cannot type stay unknown); the graph itself is left as the user wrote it."""
+    try:
+        proto = onnx.shape_inference.infer_shapes(ir.to_proto(m), strict_mode=False)
+    except Exception:  # noqa: BLE001 (a model over 2 GB: the rules then say which rank they lack)
+        return {}, {}
+    dims, types = {}, {}
+    for v in [*proto.graph.value_info, *proto.graph.output, *proto.graph.input]:
+        t = v.type.tensor_type
+        if v.type.HasField("tensor_type") and t.elem_type:
+            types[v.name] = ir.DataType(t.elem_type)
+            if t.HasField("shape"):
+                dims[v.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
+    _propagate_ranks(m.graph, dims)
+    return dims, types
+
+
+_SAME_RANK = {"Transpose", "Pad", "Slice", "Cast", "CastLike", "Identity", "Neg", "Relu", "Sigmoid", "Tanh", "Exp",
+              "Log", "Abs", "Sqrt", "Softmax", "LogSoftmax", "Where", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min",
+              "Concat", "Clip", "Expand", "ScatterND", "ScatterElements", "Tile", "Erf", "LeakyRelu"}
+
+
+def _propagate_ranks(graph: ir.Graph, dims: dict) -> None:
+    """Ranks (unknown dimensions) of the values ONNX inference stopped before, for the common ops: rules need
+    ranks, rarely sizes."""
+    def rank(v):
+        known = dims.get(v.name) if v is not None else None
+        if known is None and v is not None and v.shape is not None:
+            known = tuple(d if isinstance(d, int) else None for d in v.shape)
+        return None if known is None else len(known)
+
+    for node in graph:
+        out = node.outputs[0] if node.outputs else None
+        if out is None or rank(out) is not None:
+            continue
+        ins = [rank(v) for v in node.inputs if v is not None]
+        r = None
+        if node.op_type in _SAME_RANK and ins and all(i is not None for i in ins):
+            r = max(ins)
+        elif node.op_type == "Reshape" and node.inputs[1].const_value is not None:
+            r = node.inputs[1].const_value.size
+        elif node.op_type in ("Gather", "GatherElements") and None not in ins[:2]:
+            r = ins[0] + ins[1] - 1 if node.op_type == "Gather" else ins[1]
+        elif node.op_type == "MatMul" and None not in ins:
+            r = max(ins)
+        if r is not None:
+            dims[out.name] = (None,) * r
+
+
+def _name_values(g: ir.Graph) -> None:
+    """Names every unnamed backward value ``<node>_bw<k>`` (unique in the graph)."""
+    taken = {v.name for v in g.inputs} | set(g.initializers) | {o.name for n in g for o in n.outputs if o.name}
+    k = 0
+    for node in g:
+        for o in node.outputs:
+            if not o.name:
+                while f"_bw{k}" in taken:
+                    k += 1
+                o.name = f"_bw{k}"
+                taken.add(o.name)

@@ -1,0 +1,85 @@
+"""Matrix products: MatMul (batched and broadcast, 1-D operands) and Gemm."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from onnxopt.autodiff.engine import rule
+
+F = "matmul/gemm"
+
+
+def _product(c, a, b, ta: bool, tb: bool, ranks: tuple[int, int], double: bool):
+    """a'·b' over the last two axes (batched): MatMul of Transposes, which onnxruntime fuses into FusedMatMul,
+    a float-only kernel; Einsum in float64."""
+    if double:
+        return c.Einsum(a, b, equation=f"...{'ji' if ta else 'ij'},...{'kj' if tb else 'jk'}->...ik")
+    return c.MatMul(_swap_last(c, a, ranks[0]) if ta else a, _swap_last(c, b, ranks[1]) if tb else b)
+
+
+def _swap_last(c, x, rank: int):
+    return c.Transpose(x, perm=[*range(rank - 2), rank - 1, rank - 2])
+
+
+def _sum_to(c, g, x, rank_g: int):
+    """``g`` (rank ``rank_g``) summed over the leading batch axes ``x`` lacks or broadcast, shaped as ``x``."""
+    dims = c.static_dims(x)
+    lead = rank_g - len(dims)
+    axes = list(range(lead)) + [lead + k for k, d in enumerate(dims[:-2]) if d == 1]
+    if axes:
+        g = c.ReduceSum(g, c.ints(axes), keepdims=1)
+    return c.Reshape(g, c.Shape(x)) if lead or axes else g
+
+
+@rule("MatMul", family=F)
+def _matmul(c):
+    """dA = dY·Bᵀ, dB = Aᵀ·dY, summed over broadcast batch axes (1-D operands promoted as numpy does)."""
+    a, b, dy = c.I(0), c.I(1), c.go(0)
+    ra, rb = c.rank(a), c.rank(b)
+    if ra is None or rb is None:  # NOTE: ranks >= 2 assumed; Einsum broadcasts the batch axes, summed back
+        da = c.unbroadcast(c.Einsum(dy, b, equation="...ij,...kj->...ik"), 0) if c.need(0) else None
+        db = c.unbroadcast(c.Einsum(a, dy, equation="...ji,...jk->...ik"), 1) if c.need(1) else None
+        return [da, db]
+    if rb == 2 and ra >= 2:  # NOTE: a weight: Gemms over all rows, no batched product, no Transpose node
+        k, n = c.Shape(a, start=-1), c.Shape(b, start=-1)
+        a2 = a if ra == 2 else c.Reshape(a, c.Concat(c.ints([-1]), k, axis=0))
+        dy2 = dy if ra == 2 else c.Reshape(dy, c.Concat(c.ints([-1]), n, axis=0))
+        da = c.Gemm(dy2, b, transB=1) if c.need(0) else None
+        if da is not None and ra > 2:
+            da = c.Reshape(da, c.Shape(a))
+        return [da, c.Gemm(a2, dy2, transA=1) if c.need(1) else None]
+    a2 = a if ra >= 2 else c.Unsqueeze(a, c.ints([0]))
+    b2 = b if rb >= 2 else c.Unsqueeze(b, c.ints([1]))
+    ry = max(ra, rb, 2)
+    double = c.dtype(a) == ir.DataType.DOUBLE
+    if ra == 1:
+        dy = c.Unsqueeze(dy, c.ints([-2 if rb >= 2 else 0]))
+    if rb == 1:
+        dy = c.Unsqueeze(dy, c.ints([-1]))
+    da = db = None
+    if c.need(0):
+        da = _product(c, dy, b2, False, True, (ry, max(rb, 2)), double)
+        da = _sum_to(c, da, a2, ry) if ra >= 2 else c.Reshape(c.ReduceSum(da, c.ints(range(ry - 1)), keepdims=0)
+                                                                if ry > 2 else da, c.Shape(a))
+    if c.need(1):
+        db = _product(c, a2, dy, True, False, (max(ra, 2), ry), double)
+        db = _sum_to(c, db, b2, ry) if rb >= 2 else c.Reshape(c.ReduceSum(db, c.ints(range(ry - 2)), keepdims=0)
+                                                                if ry > 2 else db, c.Shape(b))
+    return [da, db]
+
+
+@rule("Gemm", family=F)
+def _gemm(c):
+    """Y = α·A'·B' + β·C: dA' = α·dY·B'ᵀ, dB' = α·A'ᵀ·dY, dC = β·dY summed to C's shape."""
+    a, b, dy = c.I(0), c.I(1), c.go(0)
+    alpha, beta = c.attr("alpha", 1.0), c.attr("beta", 1.0)
+    ta, tb = c.attr("transA", 0), c.attr("transB", 0)
+    da = db = dc = None
+    if c.need(0):
+        da = c.Gemm(dy, b, alpha=alpha, transB=1 - tb) if not ta else c.Gemm(b, dy, alpha=alpha, transA=tb, transB=1)
+    if c.need(1):
+        db = c.Gemm(a, dy, alpha=alpha, transA=1 - ta) if not tb else c.Gemm(dy, a, alpha=alpha, transA=1, transB=ta)
+    if c.need(2):
+        g = dy if beta == 1.0 else c.Mul(dy, c.const(beta, dy))
+        dc = c.unbroadcast(g, 2)
+    return [da, db, dc]
