@@ -118,11 +118,40 @@ def test_exponent_and_threshold_are_not_weights():
     assert onnxopt.compile_train_step(_pow_model()).weights == ["W"]
 
 
+@pytest.mark.skipif(not onnxopt.gradient.has_training_build(), reason="needs onnxruntime-training's builder")
 def test_builder_failure_names_op_node_and_fix():
     with pytest.raises(ModelError) as info:
-        onnxopt.compile_train_step(_pow_model(), weights=["W", "p"])
+        onnxopt.compile_train_step(_pow_model(), weights=["W", "p"], gradient="builder")
     text = str(info.value)
     assert "Pow node 'power'" in text and "frozen=['p']" in text and "gradient_builder.cc" not in text
+
+
+def test_exponent_asked_for_as_a_weight_trains_exactly():
+    """The builder cannot differentiate Pow in its exponent; onnxopt's rule (dp = dy·y·ln x) can: one SGD step
+    moves W and p by the learning rate times their float64 finite-difference gradients."""
+    rng = np.random.default_rng(0)
+    model = _pow_model()
+    for init in model.graph.initializer:
+        init.CopyFrom(nh.from_array(nh.to_array(init).astype(np.float64), init.name))
+    for v in [*model.graph.input, *model.graph.output]:
+        v.type.tensor_type.elem_type = TensorProto.DOUBLE
+    step = onnxopt.compile_train_step(model, weights=["W", "p"], learning_rate=0.1, gradient="onnxopt")
+    X, t = rng.normal(size=(6, 3)), rng.normal(size=(6, 1))
+    out = run_once(step, X, t)
+
+    def loss(w):
+        h = X @ w["W"]
+        return float(np.mean((np.where(h > 3.0, h, np.abs(h) ** w["p"][0]) - t) ** 2))
+
+    w0 = {"W": np.full((3, 1), 0.5), "p": np.array([2.0])}
+    for name in w0:
+        fd = np.zeros_like(w0[name])
+        for i in np.ndindex(fd.shape):
+            up, down = {k: v.copy() for k, v in w0.items()}, {k: v.copy() for k, v in w0.items()}
+            up[name][i] += 1e-6
+            down[name][i] -= 1e-6
+            fd[i] = (loss(up) - loss(down)) / 2e-6
+        np.testing.assert_allclose(out[name + ".new"], w0[name] - 0.1 * fd, rtol=1e-8, err_msg=name)
 
 
 def _two_equal():

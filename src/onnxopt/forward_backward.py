@@ -14,7 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxopt.errors import DataError, ModelError
-from onnxopt.gradient import FLOAT_TYPES, TrainingAgent, agent_model, check_weights
+from onnxopt.gradient import FLOAT_TYPES, SplitAgent, TrainingAgent, agent_model, check_weights, gradient_source, split_models
 from onnxopt.modelio import ModelLike, load_model
 
 __all__ = ["ForwardBackward", "Context", "Outputs"]
@@ -49,13 +49,16 @@ class ForwardBackward:
         device: "cpu" or "cuda".
         mode: "train" or "eval" for Dropout and BatchNormalization (``compile_train_step``'s meaning, running
             statistics not updated); None = each node as its ``training_mode`` says.
+        gradient: "onnxopt" (its rules; two sessions of any onnxruntime, ``gradient.SplitAgent``) or "builder"
+            (onnxruntime-training's ``TrainingAgent``); None = ``gradient.gradient_source``'s default.
 
     The weights live in ``ForwardBackward`` as OrtValues (``get_weights``/``set_weights``) unless a call
     passes ``weights=``. Do not modify an output in place before its backward: ORT may reuse it there.
     """
 
     def __init__(self, model: ModelLike, weights: Sequence[str] | None = None,
-                 inputs: Sequence[str] | None = None, device: str = "cpu", mode: str | None = None):
+                 inputs: Sequence[str] | None = None, device: str = "cpu", mode: str | None = None,
+                 gradient: str | None = None):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
         m = load_model(model)
@@ -74,9 +77,13 @@ class ForwardBackward:
                 raise ModelError(f"inputs: {name!r} has no gradient (expected a float input, "
                                  f"found {types[name]})")
         self.grad_input_names = [n for n in self.input_names if n in inputs]
-        proto, self._no_grad = agent_model(m, self.weight_names, self.grad_input_names, mode)
         self._dtypes = {n: ir.DataType(types[n]).numpy() for n in self.input_names}
-        self._agent = TrainingAgent(proto, len(self.output_names), device)
+        if gradient_source(gradient) == "builder":
+            proto, self._no_grad = agent_model(m, self.weight_names, self.grad_input_names, mode)
+            self._agent = TrainingAgent(proto, len(self.output_names), device)
+        else:
+            fwd, bwd, _, self._no_grad = split_models(m, self.weight_names, self.grad_input_names, mode)
+            self._agent = SplitAgent(fwd, bwd, len(self.output_names), device)
         inits = m.graph.initializers
         # NOTE: an OrtValue over NumPy memory does not own it: the arrays stay here, the OrtValues share them.
         self._arrays = {n: np.array(inits[n].const_value.numpy()) for n in self.weight_names}

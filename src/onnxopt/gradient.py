@@ -568,3 +568,86 @@ class TrainingAgent:
         outputs = self._C.OrtValueVector()
         self._agent.run_backward(self._vector(grads), outputs, state)
         return list(outputs)
+
+
+def split_models(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (), mode: str | None = None
+                 ) -> tuple[onnx.ModelProto, onnx.ModelProto, int, list[int]]:
+    """onnxopt's gradient graph cut at its YieldOp into two standard models, as ``TrainingAgent`` cuts the
+    builder's: forward (model inputs, weights -> outputs, then the forward values the backward reads) and
+    backward (those values, model inputs, weights, output gradients -> ``<input>_grad``..., ``<weight>_grad``...).
+    Returns (forward, backward, number of outputs, indices of the outputs without a gradient)."""
+    proto = ir.to_proto(build_gradient(m, weights, inputs, mode, gradient="onnxopt"))
+    fwd, bwd = ir.from_proto(proto), ir.from_proto(proto)
+
+    def cut(model: ir.Model) -> tuple[ir.Node, list[ir.Node], list[ir.Node]]:
+        nodes = list(model.graph)
+        k = next(i for i, n in enumerate(nodes) if n.op_type == "YieldOp")
+        return nodes[k], nodes[:k], nodes[k + 1:]
+
+    node, before, after = cut(fwd)
+    outputs = list(node.inputs)
+    produced = {o for n in before for o in n.outputs}
+    read = list(dict.fromkeys(v for n in after for v in n.inputs if v in produced))
+    for n in reversed([node, *after]):
+        fwd.graph.remove(n, safe=False)
+    fwd.graph.outputs.clear()
+    fwd.graph.outputs.extend([*outputs, *(v for v in read if v not in outputs)])
+    # NOTE: the values the cut turns into outputs and inputs need their types: inferred on the forward model
+    fwd = ir.from_proto(onnx.shape_inference.infer_shapes(ir.to_proto(fwd), strict_mode=False))
+    types = {v.name: v.type for v in fwd.graph.outputs}
+    attr = node.attributes.get("non_differentiable_outputs")
+    no_grad = list(attr.as_ints()) if attr is not None else []
+
+    node, before, _ = cut(bwd)
+    names = {v.name for v in read}
+    for value in [o for n in before for o in n.outputs if o.name in names] + list(node.outputs):
+        new = ir.Value(name=value.name, type=value.type or types.get(value.name), shape=value.shape)
+        ir.convenience.replace_all_uses_with(value, new, replace_graph_outputs=True)
+        value.name = None
+        bwd.graph.inputs.append(new)
+    for n in reversed([*before, node]):
+        bwd.graph.remove(n, safe=False)
+    passes.RemoveUnusedNodesPass()(bwd)
+    for model in (fwd, bwd):
+        model.opset_imports.pop("com.microsoft", None)
+        model.ir_version = m.ir_version
+    return ir.to_proto(fwd), ir.to_proto(bwd), len(outputs), no_grad
+
+
+class SplitAgent:
+    """``TrainingAgent``'s interface over two sessions of stock onnxruntime (``split_models``): ``forward``
+    returns the outputs and keeps the forward values the backward reads; ``backward`` runs from them. Values
+    go in as OrtValues, NumPy arrays (no copy) or DLPack producers (read through NumPy, no copy on CPU)."""
+
+    def __init__(self, forward: onnx.ModelProto, backward: onnx.ModelProto, n_outputs: int, device: str = "cpu"):
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        providers = (["CUDAExecutionProvider"] if device == "cuda" else []) + ["CPUExecutionProvider"]
+        self._fwd = ort.InferenceSession(forward.SerializeToString(), opts, providers=providers)
+        self._bwd = ort.InferenceSession(backward.SerializeToString(), opts, providers=providers)
+        self._feeds = [i.name for i in self._fwd.get_inputs()]
+        self._outs = [o.name for o in self._fwd.get_outputs()]
+        self._bwd_inputs = [i.name for i in self._bwd.get_inputs()]
+        self._fetch = [o.name for o in self._bwd.get_outputs()]
+        self._n, self._ort = n_outputs, ort
+
+    def ortvalue(self, value):
+        if isinstance(value, self._ort.OrtValue):
+            return value
+        if not isinstance(value, np.ndarray):
+            value = np.from_dlpack(value)
+        return self._ort.OrtValue.ortvalue_from_numpy(value)
+
+    def forward(self, values) -> tuple[list, object]:
+        feeds = dict(zip(self._feeds, (self.ortvalue(v) for v in values)))
+        outs = self._fwd.run_with_ort_values(self._outs, feeds)
+        return list(outs[: self._n]), {**feeds, **dict(zip(self._outs, outs))}
+
+    def backward(self, grads, state) -> list:
+        """``grads``: the gradients of the differentiable outputs, fed to the inputs ``state`` does not hold."""
+        missing = [n for n in self._bwd_inputs if n not in state]
+        feeds = {n: state[n] for n in self._bwd_inputs if n in state}
+        feeds.update(zip(missing, (self.ortvalue(g) for g in grads)))
+        return list(self._bwd.run_with_ort_values(self._fetch, feeds))

@@ -23,8 +23,11 @@ __all__ = ["OnnxModule"]
 
 
 def _tensor(value) -> torch.Tensor:
-    """A torch tensor over an OrtValue's memory (no copy)."""
-    return torch.from_dlpack(value.to_dlpack())
+    """A torch tensor over an OrtValue's memory (no copy): by DLPack, or through NumPy on CPU where the
+    OrtValue has no DLPack export (stock onnxruntime's)."""
+    if hasattr(value, "to_dlpack"):
+        return torch.from_dlpack(value.to_dlpack())
+    return torch.from_numpy(value.numpy())
 
 
 class _OnnxFunction(torch.autograd.Function):
