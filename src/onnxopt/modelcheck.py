@@ -6,7 +6,7 @@
   and stay below ``TENSOR_LIMIT``.
 - Every value name is defined once per graph (inputs, initializers, node outputs).
 - Every opset import names a domain onnx or onnxruntime defines (or a function of the model), at a version
-  they know.
+  they know, and every node's domain is imported.
 Each refusal is a ``ModelFormatError`` (``ModelVersionError`` for opsets) naming the tensor, value or domain.
 """
 
@@ -47,6 +47,8 @@ def check_model(model: onnx.ModelProto, base_dir: str | None, name: str) -> None
     """Raises ModelFormatError or ModelVersionError (see the module docstring); ``base_dir`` is the folder
     external data is read from (None: the model has no folder)."""
     _check_opsets(model, name)
+    imported = {imp.domain or "ai.onnx" for imp in [*model.opset_import, *(i for f in model.functions
+                                                                          for i in f.opset_import)]}
     graphs = [model.graph, *model.functions]
     while graphs:
         graph = graphs.pop()
@@ -55,6 +57,9 @@ def check_model(model: onnx.ModelProto, base_dir: str | None, name: str) -> None
         for sparse in getattr(graph, "sparse_initializer", []):
             tensors += [sparse.values, sparse.indices]
         for node in graph.node:
+            if (node.domain or "ai.onnx") not in imported:
+                raise ModelVersionError(f"{name}: node {node.name!r} ({node.op_type}) is in domain {node.domain!r}, "
+                                        f"which the model does not import; expected one of {sorted(imported)}")
             for attr in node.attribute:
                 graphs += [*attr.graphs, *([attr.g] if attr.HasField("g") else [])]
                 tensors += [*attr.tensors, *([attr.t] if attr.HasField("t") else [])]
