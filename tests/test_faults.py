@@ -295,9 +295,10 @@ def test_duplicate_names_unknown_opsets_and_domains_are_refused_by_name():
     with pytest.raises(ModelVersionError, match=r"unknown domain 'my.domain'"):
         onnxopt.compile_train_step(model)
     model = mlp([4, 8, 1])
-    model.graph.node[-1].domain = "com.microsoft"
-    with pytest.raises(ModelVersionError, match=rf"node '{model.graph.node[-1].name}' \({model.graph.node[-1].op_type}\) "
-                                                r"is in domain 'com.microsoft', which the model does not import"):
+    last = model.graph.node[-1]
+    last.domain = "com.microsoft"
+    with pytest.raises(ModelVersionError, match=rf"node '{last.name}' \({last.op_type}\) is in domain 'com.microsoft', "
+                                                r"which the model does not import"):
         onnxopt.compile_train_step(model)
 
 
