@@ -187,6 +187,7 @@ def test_cli_checks_its_outputs_before_training(files, capsys):
     for argv, named in [([*fit, "-o", "a_file/trained.onnx"], "a_file"),
                         ([*fit, "--checkpoint", "a_file", "-o", "trained.onnx"], "a_file"),
                         (["compile", "model.onnx", "-o", "a_file/step.onnx"], "a_file"),
+                        ([*fit, "-o", "no_folder/trained.onnx"], "no_folder' does not exist"),
                         (["demo", "--out", "a_file", "--epochs", "1"], "a_file")]:
         t0 = time.perf_counter()
         assert main(argv) == 2

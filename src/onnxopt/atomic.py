@@ -124,7 +124,9 @@ def check_writable(path: str | os.PathLike, what: str, folder: bool = False, err
     if not folder and os.path.isdir(path):
         raise error(f"{what}: expected a file path, got {path!r}, an existing folder")
     where = path if folder else os.path.dirname(path)
-    while not os.path.exists(where):  # NOTE: folders still missing are created by the write (makedirs)
+    if not folder and not os.path.exists(where):
+        raise error(f"{what}: expected a path in an existing folder, got {path!r} ({where!r} does not exist)")
+    while not os.path.exists(where):  # NOTE: a folder (checkpoints, demo) is created with its parents
         where = os.path.dirname(where)
     if not os.path.isdir(where):
         raise error(f"{what}: expected a path inside a folder, got {path!r} ({where!r} is a file)")
