@@ -2,9 +2,9 @@
 
 Layout: ``MAGIC``, an 8-byte little-endian header length, a JSON header (metadata and, per array, its name,
 dtype, shape and byte range), the raw array bytes, then the SHA-256 of everything before it. A file is
-written to a temporary file in the same folder, flushed to disk and renamed over ``path``, so a crash leaves
-the old checkpoint or the new one, never a mix; a truncated or altered file fails the checksum on load.
-No pickle is involved: loading a file runs no code from it.
+written atomically (``onnxopt.atomic``: a temporary file in the same folder, flushed to disk and renamed over
+``path``), so a crash leaves the old checkpoint or the new one, never a mix; a truncated or altered file
+fails the checksum on load. No pickle is involved: loading a file runs no code from it.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from onnxopt.atomic import replacing
 from onnxopt.errors import CheckpointError
 
 __all__ = ["save_arrays", "load_arrays", "MAGIC"]
@@ -47,36 +47,11 @@ def save_arrays(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], meta:
     parts = [struct.pack("<Q", len(header)), header, *blobs]
     for part in parts:
         digest.update(part)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC)
-            for part in parts:
-                f.write(part)
-            f.write(digest.digest())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: str) -> None:
-    """Makes the rename itself durable (POSIX); a no-op where folders cannot be opened."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with replacing(path) as f:
+        f.write(MAGIC)
+        for part in parts:
+            f.write(part)
+        f.write(digest.digest())
 
 
 def load_arrays(

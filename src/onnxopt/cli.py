@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxopt import atomic
 from onnxopt.errors import DataError, OnnxoptError
 
 __all__ = ["main"]
@@ -124,7 +125,7 @@ def _compile(args: argparse.Namespace) -> int:
     from onnxopt import compile_train_step
 
     kwargs = _training_kwargs(args)
-    _check_ext(args.out, (".onnx",), "-o")
+    atomic.check_writable(_check_ext(args.out, (".onnx",), "-o"), "-o")
     step = compile_train_step(_check_exists(args.model, "MODEL"), portable=args.portable, **kwargs)
     step.save(args.out)
     print(f"wrote {args.out}: {len(step.model.graph.node)} nodes ({_regions(step.model)})")
@@ -166,12 +167,12 @@ def load_data(path: str, target: str | None) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    import onnx
-
     from onnxopt import Trainer
 
     kwargs = _training_kwargs(args)
-    _check_ext(args.out, (".onnx",), "-o")
+    atomic.check_writable(_check_ext(args.out, (".onnx",), "-o"), "-o")
+    if args.checkpoint:
+        atomic.check_writable(args.checkpoint, "--checkpoint", folder=True)
     _check_exists(args.model, "MODEL")
     X, y = load_data(args.data, args.target)  # NOTE: the Trainer casts them to the model's dtype
     if args.checkpoint and os.path.isdir(args.checkpoint) and os.listdir(args.checkpoint):
@@ -181,7 +182,7 @@ def _fit(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     est.fit(X, y)
     seconds = time.perf_counter() - t0
-    onnx.save(est.trained_model_, args.out)
+    atomic.write(args.out, est.trained_model_.SerializeToString())
     _print_losses(est.train_losses_)
     early = f" (stopped early: improvement below --tol {args.tol})" if est.n_iter_ < args.epochs else ""
     print(f"trained {est.n_iter_} epochs{early} on {len(X)} samples in {seconds:.2f} s; wrote {args.out}")
@@ -201,10 +202,10 @@ def _show(args: argparse.Namespace) -> int:
     from onnxopt.draw import FORMATS, render
     from onnxopt.modelio import load_model
 
-    _check_ext(args.out, FORMATS, "-o")
+    atomic.check_writable(_check_ext(args.out, FORMATS, "-o"), "-o")
     # NOTE: loaded through load_model for its one-line errors; drawn from the file's own proto.
     load_model(_check_exists(args.model, "MODEL"), "MODEL")
-    written, done = render(onnx.load(args.model), args.out, title=args.title)
+    written, done = render(onnx.load(args.model, load_external_data=False), args.out, title=args.title)
     if done:
         print(f"wrote {written}")
     else:
@@ -264,16 +265,15 @@ def _plot(curves: dict[str, list[float]], path: str, title: str) -> bool:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    atomic.save_figure(fig, path)
     plt.close(fig)
     return True
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import onnx
-
     from onnxopt import Trainer, dsl
 
+    atomic.check_writable(args.out, "--out", folder=True)
     rng = np.random.default_rng(args.seed)
     n = args.samples + args.samples // 4  # NOTE: a fifth of the data is held out for the R² printed at the end
     X_all = rng.normal(size=(n, args.features)).astype(np.float32)
@@ -291,7 +291,7 @@ def _demo(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     written = [os.path.join(args.out, "train_step.onnx"), os.path.join(args.out, "trained.onnx")]
     est.train_step_.save(written[0])
-    onnx.save(est.trained_model_, written[1])
+    atomic.write(written[1], est.trained_model_.SerializeToString())
     # NOTE: per-step time measured on the fitted runner, one more pass over the data after training.
     runner, times = est.runner_, []
     for i in range(0, args.samples - args.batch_size + 1, args.batch_size):

@@ -12,7 +12,8 @@ import numpy as np
 
 from onnxopt.errors import DataError
 
-__all__ = ["as_array", "check_features", "check_target", "check_sample_weight", "check_batch_size"]
+__all__ = ["as_array", "check_features", "check_target", "check_class_indices", "check_sample_weight",
+           "check_batch_size"]
 
 
 def as_array(value, dtype, name: str) -> np.ndarray:
@@ -88,6 +89,21 @@ def check_target(y, n: int, dtype, shape: list | None, allow_nan: bool = False) 
     elif dtype == np.int64 and arr.shape not in ((n,), (n, 1)):
         raise DataError(f"y: expected class labels shaped ({n},) or ({n}, 1), got shape {arr.shape}")
     _check_finite(arr, "y", allow_nan)
+    return arr
+
+
+def check_class_indices(y, classes: int | None) -> np.ndarray:
+    """``y`` as int64 class indices in [0, classes) (``classes`` None: >= 0 only), checked before a step runs."""
+    arr = np.asarray(y)
+    if arr.dtype.kind == "f" and arr.size and not np.array_equal(arr, np.round(arr)):
+        bad = np.argwhere(arr != np.round(arr))[0]
+        raise DataError(f"y: expected integer class indices, got {arr[tuple(bad)]} at row {int(bad[0])} "
+                        "(continuous target? use loss='square')")
+    arr = as_array(arr, np.int64, "y")
+    if arr.size and (arr.min() < 0 or (classes is not None and arr.max() >= classes)):
+        bad = np.argwhere((arr < 0) | (arr >= (classes or np.iinfo(np.int64).max)))[0]
+        expected = f"0..{classes - 1} (the prediction has {classes} classes)" if classes else ">= 0"
+        raise DataError(f"y: expected class indices in {expected}, got {arr[tuple(bad)]} at row {int(bad[0])}")
     return arr
 
 

@@ -12,6 +12,7 @@ import subprocess
 
 import onnx
 
+from onnxopt import atomic
 from onnxopt.errors import ModelError
 from onnxopt.graphs import REGION
 
@@ -87,10 +88,10 @@ def render(model: onnx.ModelProto, path: str | os.PathLike, title: str | None = 
     dot = shutil.which("dot")
     if ext == ".dot" or dot is None:
         out = path if ext == ".dot" else os.path.splitext(path)[0] + ".dot"
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(text)
+        atomic.write(out, text)
         return out, ext == ".dot"
-    done = subprocess.run([dot, f"-T{ext[1:]}", "-o", path], input=text.encode(), capture_output=True, check=False)
+    done = subprocess.run([dot, f"-T{ext[1:]}"], input=text.encode(), capture_output=True, check=False)
     if done.returncode != 0:
         raise ModelError(f"output: graphviz dot failed on {path!r}: {done.stderr.decode(errors='replace').strip()}")
+    atomic.write(path, done.stdout)
     return path, True

@@ -316,6 +316,8 @@ def compile_train_step(
         weights=names,
         state=[*state_names, STEP], buffers=[s.name for s in stats],
         target_kind=loss_decl.target if loss_decl else "float",
+        classes=y.shape[-1] if target_name and loss_decl is not None and loss_decl.target == "index" and y.shape
+        and isinstance(y.shape[-1], int) else None,
         inference=inference.SerializeToString(),
         output_grad=y.name + GRAD if external_grad else None, prediction=y.name if external_grad else None,
     )

@@ -11,6 +11,7 @@ import onnx_ir as ir
 import onnxruntime
 
 from onnxopt.errors import ModelError, ModelFormatError, ModelVersionError
+from onnxopt.modelcheck import check_model
 
 __all__ = ["ModelLike", "load_model", "require_training_build", "runtime_limits", "DSL_OPSET", "PROTOBUF_LIMIT", "check_protobuf_size"]
 
@@ -46,25 +47,28 @@ def require_training_build(what: str) -> None:
         "Trainer(step); see docs/portable.md")
 
 
-def load_model(model: ModelLike, name: str = "model") -> ir.Model:
+def load_model(model: ModelLike, name: str = "model", base_dir: str | os.PathLike | None = None) -> ir.Model:
     """Loads ``model`` (proto, ir.Model or path) as an ``ir.Model`` whose versions onnxruntime and the DSL accept.
 
-    External data is read from the model's folder. An IR version newer than onnxruntime loads is lowered
-    when no tensor uses a newer type; a newer opset is lowered when no op changed in between, else with
+    External data is read from the model's folder only (``base_dir`` for a proto; ``onnxopt.modelcheck``
+    checks it, tensor sizes, value names and opsets before anything is allocated). An IR version newer than
+    onnxruntime loads is lowered when no tensor uses a newer type; a newer opset is lowered when no op changed in between, else with
     onnx's version converter (via onnxscript's, which drops big tensors first). The default-domain opset is
     raised to at least ``DSL_OPSET``. Nothing here serializes the whole model to one protobuf.
     """
-    base_dir = None
     if isinstance(model, ir.Model):
-        base_dir = next((t.base_dir for t in _tensors(model) if isinstance(t, ir.ExternalTensor)), None)
+        base_dir = next((t.base_dir for t in _tensors(model) if isinstance(t, ir.ExternalTensor) and t.base_dir),
+                        base_dir)
         model = ir.to_proto(model)
     if isinstance(model, (str, os.PathLike)):
+        base_dir = os.path.dirname(os.path.abspath(model))
         model = _read(os.fspath(model), name)
     if not isinstance(model, onnx.ModelProto):
         raise ModelFormatError(f"{name}: expected onnx.ModelProto, ir.Model or a path, got {type(model).__name__}")
     if not model.HasField("graph") or model.ir_version < 1:
         raise ModelFormatError(f"{name}: not an ONNX model (expected a ModelProto with a graph and an IR "
                                f"version, got ir_version={model.ir_version}, graph={model.HasField('graph')})")
+    check_model(model, None if base_dir is None else os.fspath(base_dir), name)
     if any(n.op_type == "ZipMap" for n in model.graph.node):
         from onnxopt.ml_rules import drop_zipmap  # NOTE: skl2onnx's default: probabilities as a list of dicts
 
@@ -111,7 +115,7 @@ def _read(path: str, name: str) -> onnx.ModelProto:
     if size == 0:
         raise ModelFormatError(f"{name}: {path!r} is empty (0 bytes); expected an ONNX model")
     try:
-        return onnx.load(path)  # NOTE: reads external data from the file's folder too
+        return onnx.load(path, load_external_data=False)  # NOTE: checked (modelcheck), then read by onnx_ir
     except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning...: all mean "not ONNX"
         hint = (f"; a protobuf file is limited to 2 GB, save big models with external data"
                 if size >= PROTOBUF_LIMIT else "; the file may be truncated or not an ONNX model")

@@ -9,11 +9,13 @@ and the loss's per-batch bookkeeping is specialized away (``passes.batch``, see 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -22,7 +24,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
-from onnxopt.data import as_array, check_batch_size
+from onnxopt.data import as_array, check_batch_size, check_class_indices
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError, NotDifferentiableError
 from onnxopt.passes.batch import (drop_same_shape_reshapes, hoist, masked_relu_grads, row_sum_updates, shaped_target,
                                   summed_rows)
@@ -143,15 +145,26 @@ def _missing_kernel(exc: Exception, model: onnx.ModelProto, device: str) -> NotD
         f"(for Resize: constant scales or sizes on static axes), change the model to one of them", [(op, name)])
 
 
+def _locked(method: Callable) -> Callable:
+    """``method`` run holding the runner's lock: threads sharing a runner take turns, each step whole."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class Runner:
     """Runs ``step`` (a ``TrainStep`` or a path to one) on ``device`` ("cpu" or "cuda").
 
     ``session_options`` overrides ``default_session_options`` (threads, optimization level), which
-    ``batch_size`` (the usual batch length) tunes.
+    ``batch_size`` (the usual batch length) tunes. A runner may be shared between threads: its public
+    methods hold a lock, so concurrent steps run one after the other and none is lost.
     """
 
     def __init__(self, step: TrainStep | str | os.PathLike, device: str = "cpu",
                  session_options: ort.SessionOptions | None = None, batch_size: int = 32):
+        self._lock = threading.RLock()  # NOTE: reentrant: epoch calls step, save_checkpoint get_weights
         self.train_step = step if isinstance(step, TrainStep) else TrainStep.load(step)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
@@ -312,6 +325,10 @@ class Runner:
         ``sync()`` later reads every pending loss at once and checks them. ``output_grad`` feeds the
         ``<output>.grad`` input of a step compiled with ``external_grad=True``.
         """
+        with self._lock:  # NOTE: inline, not @_locked: the wrapper's *args call costs ~1 µs a step
+            return self._step(X, y, sample_weight, read_loss, output_grad)
+
+    def _step(self, X, y, sample_weight, read_loss: bool, output_grad) -> float | None:
         sess, raw = self.session._sess, self._raw[self._current]
         if sample_weight is not None and self._weighted is not None:  # NOTE: a session keeping sample weights
             sess, raw = self._weighted_bindings()
@@ -373,6 +390,8 @@ class Runner:
         """``y`` checked against the batch ``X`` and shaped as the session reads it."""
         if y is None:
             raise DataError(f"y: the compiled loss needs targets for {self._y_name!r}, got None")
+        if self.train_step.target_kind == "index":  # NOTE: a bad index would pick another class or fail in ORT
+            y = check_class_indices(y, self.train_step.classes)
         arr = self._array(y, self._y_dtype, "y")
         if arr.shape[:1] != X.shape[:1]:  # NOTE: the loss reshapes targets like the prediction: check rows
             raise self._data_error([X, arr], f"y: expected one row per sample of X, got shape {arr.shape}")
@@ -383,6 +402,7 @@ class Runner:
             arr = arr.reshape(self._y_rows)
         return arr
 
+    @_locked
     def epoch(self, X, y=None, sample_weight=None, batch_size: int | None = None) -> np.ndarray:
         """``step`` over the batches of ``X`` in order, ``batch_size`` rows each (the Runner's ``batch_size`` by
         default; the last may be shorter); returns their losses.
@@ -509,6 +529,7 @@ class Runner:
         self._previous_valid = False
         return None
 
+    @_locked
     def sync(self) -> np.ndarray:
         """Reads the losses of the steps run with ``read_loss=False`` (one device read) and checks them.
 
@@ -528,6 +549,7 @@ class Runner:
                 f"those of step {self.step_count} (the last synced step), see get_weights()")
         return np.concatenate([*earlier, losses]) if earlier else losses
 
+    @_locked
     def check_weights(self) -> None:
         """Raises ConvergenceError if a weight is NaN or infinite, going back to the weights that gave the last
         finite loss as a diverging step does. ``step`` checks the loss only: a finite loss can still overflow
@@ -554,25 +576,30 @@ class Runner:
         return DataError(f"batch: {reason}; expected {expected}, got {given}")
 
     @property
+    @_locked
     def step_count(self) -> int:
         """Steps completed so far."""
         return int(self._sets[self._current][STEP].numpy())
 
     # -- weights -----------------------------------------------------------------------------------------
+    @_locked
     def current_values(self) -> dict[str, ort.OrtValue]:
         """The OrtValues holding the current weights and state (on the device), valid until the next step."""
         return dict(self._sets[self._current])
 
+    @_locked
     def get_weights(self) -> dict[str, np.ndarray]:
         """Copies of the current weights."""
         cur = self._sets[self._current]
         return {name: cur[name].numpy().copy() for name in self.train_step.weights}
 
+    @_locked
     def get_state(self) -> dict[str, np.ndarray]:
         """Copies of the current optimizer state, running statistics (``TrainStep.buffers``) and step counter."""
         cur = self._sets[self._current]
         return {name: cur[name].numpy().copy() for name in [*self.train_step.buffers, *self.train_step.state]}
 
+    @_locked
     def set_weights(self, weights: Mapping[str, np.ndarray], _all_sets: bool = False) -> None:
         """Overwrites some or all weights (and state tensors, by name) in place."""
         targets = self._sets if _all_sets else [self._sets[self._current]]
@@ -588,6 +615,7 @@ class Runner:
                 s[name].update_inplace(arr)
         self._previous_valid = False
 
+    @_locked
     def save_checkpoint(self, path: str | os.PathLike, meta: Mapping | None = None) -> None:
         """Writes weights, optimizer state and step count to ``path``, atomically and with a SHA-256 checksum
         (``onnxopt.checkpoint``); ``meta`` (JSON values, e.g. a ``kind`` and a history) is stored with them."""
@@ -596,6 +624,7 @@ class Runner:
         arrays = {**self.get_weights(), **self.get_state()}
         save_arrays(path, arrays, {"kind": "onnxopt.Runner", "step": self.step_count, **(meta or {})})
 
+    @_locked
     def load_checkpoint(self, path: str | os.PathLike, kind: str | None = None) -> dict:
         """Restores what ``save_checkpoint`` wrote and returns its metadata; training then continues bit for
         bit. The file is verified (checksum, names, shapes, dtypes, and its ``kind`` when given) before any
@@ -610,6 +639,7 @@ class Runner:
         self.set_weights(arrays)
         return meta
 
+    @_locked
     def export(self) -> onnx.ModelProto:
         """The user's original inference model with the trained weights (and running statistics, mode="train")
         written into its initializers."""

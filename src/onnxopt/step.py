@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from onnxopt import atomic
 from onnxopt.errors import ModelError
 
 __all__ = ["TrainStep", "STEP", "NEW", "GRAD"]
@@ -48,6 +49,7 @@ class TrainStep:
     output_grad: str | None = None  # external_grad=True: the input ``<output>.grad``
     prediction: str | None = None  # external_grad=True: the model output the step also returns
     buffers: list[str] = dataclasses.field(default_factory=list)  # running statistics carried in mode="train"
+    classes: int | None = None  # class-index targets: the prediction's number of classes, when static
 
     @property
     def carry(self) -> dict[str, str]:
@@ -73,7 +75,7 @@ class TrainStep:
         return json.dumps(fields)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Writes the fused model (with the names above in its metadata) to ``path``."""
+        """Writes the fused model (with the names above in its metadata) to ``path``, atomically."""
         model = onnx.ModelProto()
         model.CopyFrom(self.model)
         props = {p.key: p.value for p in model.metadata_props}
@@ -81,7 +83,7 @@ class TrainStep:
         del model.metadata_props[:]
         for key, value in props.items():
             model.metadata_props.add(key=key, value=value)
-        onnx.save(model, os.fspath(path))
+        atomic.write(path, model.SerializeToString())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TrainStep:

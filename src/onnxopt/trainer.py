@@ -19,9 +19,10 @@ import onnx_ir.passes.common as passes
 import onnxruntime as ort
 from tqdm.auto import tqdm
 
+from onnxopt.atomic import check_writable
 from onnxopt.data import check_batch_size, check_features, check_sample_weight, check_target
 from onnxopt.dsl import losses
-from onnxopt.errors import ConvergenceError, DataError, ModelError
+from onnxopt.errors import CheckpointError, ConvergenceError, DataError, ModelError
 from onnxopt.fuse import compile_train_step
 from onnxopt.loss_output import add_loss_output
 from onnxopt.resolve import resolve_loss
@@ -61,6 +62,8 @@ class Trainer:
         self.verbose, self.weights, self.output, self.loss_output = verbose, weights, output, loss_output
         self.warm_start, self.checkpoint_dir, self.allow_nan = warm_start, checkpoint_dir, allow_nan
         self.mode, self.frozen = mode, frozen
+        if checkpoint_dir is not None:  # NOTE: a file or a read-only folder would fail only after the first epoch
+            check_writable(checkpoint_dir, "checkpoint_dir", folder=True, error=CheckpointError)
 
     # -- scikit-learn protocol ---------------------------------------------------------------------------
     @classmethod

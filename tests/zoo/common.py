@@ -37,10 +37,12 @@ def session(model: onnx.ModelProto) -> ort.InferenceSession:
 
 
 def assert_same_outputs(original: onnx.ModelProto, trained: onnx.ModelProto) -> None:
-    """The trained model keeps the original's outputs: names and types (a ZipMap stays a ZipMap)."""
+    """The trained model passes onnx's full checker and keeps the original's outputs: names and types (a ZipMap
+    stays a ZipMap). Callers then run it in an InferenceSession (``predict``)."""
     def outputs(m):
         return [(o.name, o.type.WhichOneof("value"), o.type.tensor_type.elem_type) for o in m.graph.output]
 
+    onnx.checker.check_model(trained, full_check=True)
     assert outputs(trained) == outputs(original), "the exported model changed its outputs"
 
 

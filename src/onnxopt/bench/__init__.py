@@ -14,6 +14,8 @@ import os
 import sys
 import time
 
+from onnxopt import atomic
+
 __all__ = ["main", "run"]
 
 DEFAULT_WORKLOADS = ["W1", "W2", "W3", "W4", "W5", "scaling"]
@@ -114,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{rounds} rounds, {time.perf_counter() - t0:.0f} s): {report.machine()}.")
     report.write_markdown(args.out_md, report.tables(results, workloads, memory, images, header))
     if args.out_json:
-        with open(args.out_json, "w", encoding="utf-8") as f:
-            json.dump({"results": [vars(r) for r in results], "memory": memory}, f)
+        atomic.write(args.out_json, json.dumps({"results": [vars(r) for r in results], "memory": memory}))
     print(f"wrote {args.out_md} and {len(images)} plot(s) in {args.img_dir}", file=sys.stderr)
     # NOTE: the portable comparison runs in other processes, after the suite, and adds a section to its page
     from onnxopt.bench.portable import bench_section

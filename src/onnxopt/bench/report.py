@@ -13,6 +13,7 @@ import statistics
 
 import numpy as np
 
+from onnxopt import atomic
 from onnxopt.bench.timing import Result
 from onnxopt.bench.workloads import Workload
 
@@ -244,8 +245,7 @@ def write_markdown(path: str, body: str, title: str = "# Benchmarks") -> None:
     else:
         text = f"{title}\n\n{block}"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    atomic.write(path, text)
 
 
 def append_markdown(path: str, body: str) -> None:
@@ -253,8 +253,7 @@ def append_markdown(path: str, body: str) -> None:
     text = open(path, encoding="utf-8").read()
     if END not in text:
         raise ValueError(f"{path}: expected the {END} marker write_markdown writes, found none")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text.replace(END, body + END, 1))
+    atomic.write(path, text.replace(END, body + END, 1))
 
 
 def _pyplot():
@@ -290,7 +289,7 @@ def plot_losses(results: list[Result], workloads: list[Workload], path: str) -> 
     for ax in list(axes.flat)[len(main):]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    atomic.save_figure(fig, path, dpi=80)
     plt.close(fig)
 
 
@@ -318,6 +317,6 @@ def plot_scaling(results: list[Result], workloads: list[Workload], path: str) ->
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    atomic.save_figure(fig, path, dpi=80)
     plt.close(fig)
 

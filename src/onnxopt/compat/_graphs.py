@@ -11,7 +11,7 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as passes
 
-from onnxopt import loss_output
+from onnxopt import atomic, loss_output
 from onnxopt.dsl import losses
 from onnxopt.errors import DslError, ModelError, WeightError
 from onnxopt.gradient import FLOAT_TYPES, build_gradient, check_weights, gradient_ir, train_initializers
@@ -205,7 +205,7 @@ def onnx_derivative(onx: ModelLike, weights: Sequence[str] | None = None, inputs
         diff = [i for i in (inputs if inputs is not None else _float_inputs(m)) if i not in labels]
         grad = ir.to_proto(gradient_ir(m, _weights(m, weights), diff, True, True)[0])
         if path_name is not None:
-            onnx.save(grad, path_name)
+            atomic.write(path_name, grad.SerializeToString())
         return grad
     if options & DerivativeOptions.FillGrad and not options & DerivativeOptions.KeepOutputs:
         raise ValueError(f"options: FillGrad needs KeepOutputs (as in onnxcustom), got {options!r}")

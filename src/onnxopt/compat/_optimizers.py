@@ -24,6 +24,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from sklearn.base import BaseEstimator
 
+from onnxopt import atomic
 from onnxopt.compat._learning import LearningRateSGD, select_loss, select_penalty, select_rate
 from onnxopt.errors import ConvergenceError, DataError, DslError, ModelError, WeightError
 from onnxopt.fuse import compile_train_step
@@ -182,7 +183,7 @@ class _Base(BaseEstimator):
         os.makedirs(folder, exist_ok=True)
         paths = {k: os.path.join(folder, f"{type(self).__name__}.{k}.onnx") for k in graphs}
         for key, model in graphs.items():
-            onnx.save(model, paths[key])
+            atomic.write(paths[key], model.SerializeToString())
         return paths
 
     def _names(self) -> list[str]:
@@ -339,7 +340,7 @@ class OrtGradientOptimizer(_Base):
         self._run(trainer, X, self._label(m, y), _column(sample_weight), X_val,
                   None if y_val is None else self._label(m, y_val), scale=1.0 / batch)
         if self.saved_gradient is not None:  # NOTE: onnxcustom saved its gradient graph; the fused step holds it
-            onnx.save(self.train_step_.model, self.saved_gradient)
+            atomic.write(self.saved_gradient, self.train_step_.model.SerializeToString())
         return self
 
     def score(self, X, y, sample_weight=None) -> float:

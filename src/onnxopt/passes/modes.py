@@ -66,27 +66,36 @@ def _stat_initializer(graph: ir.Graph, node: ir.Node, slot: int) -> ir.Value:
 def _stat_name(graph: ir.Graph, node: ir.Node, slot: int) -> str:
     scale = node.inputs[1].name if len(node.inputs) > 1 and node.inputs[1] is not None else ""
     base = scale[: -len(".weight")] if scale.endswith(".weight") else (node.name or "BatchNormalization")
+    # NOTE: every name of the graph, not only initializers: TorchScript's Identity(weight) outputs are named so
+    taken = {*graph.initializers, *(v.name for v in graph.inputs), *(v.name for n in graph for v in n.outputs)}
     name, k = f"{base}.{_STATS[slot]}", 1
-    while name in graph.initializers:
+    while name in taken:
         name, k = f"{base}.{_STATS[slot]}_{k}", k + 1
     return name
 
 
 def split_statistics(m: ir.Model) -> list[str]:
-    """Gives each BatchNormalization statistic read elsewhere too its own initializer; returns the new names."""
+    """Gives each BatchNormalization statistic read elsewhere too its own initializer; returns the new names.
+
+    A statistic read as ``Identity(weight)`` (TorchScript's export of equal tensors) takes that Identity's
+    output name, and the Identity goes, so an exported model defines each name once."""
     made = []
     for node in list(m.graph):
         if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
             continue
         for slot in _STATS:
-            value = _stat_initializer(m.graph, node, slot)
-            if node.inputs[slot] is value and value.is_initializer() and len(value.uses()) == 1 \
-                    and not value.is_graph_output():
+            value, read = _stat_initializer(m.graph, node, slot), node.inputs[slot]
+            if read is value and value.is_initializer() and len(value.uses()) == 1 and not value.is_graph_output():
                 continue
-            copy = ir.Value(name=_stat_name(m.graph, node, slot), type=value.type, shape=value.shape,
-                            const_value=ir.tensor(value.const_value.numpy().copy()))
-            m.graph.register_initializer(copy)
+            copy = ir.Value(type=value.type, shape=value.shape, const_value=ir.tensor(value.const_value.numpy().copy()))
             node.replace_input_with(slot, copy)
+            alias = read.producer()
+            if alias is not None and alias.op_type == "Identity" and not read.uses() and not read.is_graph_output():
+                m.graph.remove(alias, safe=True)
+                copy.name = read.name
+            else:
+                copy.name = _stat_name(m.graph, node, slot)
+            m.graph.register_initializer(copy)
             made.append(copy.name)
     return made
 
