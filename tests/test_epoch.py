@@ -79,8 +79,9 @@ def test_epoch_carries_batchnorm_statistics_of_a_torch_export(data, tmp_path):
 
 @pytest.mark.parametrize("layer", ["dropout", "maxpool"])
 def test_steps_a_loop_cannot_repeat_run_one_step_per_batch(data, tmp_path, layer):
-    """Dropout draws its masks in the Scan body's own kernel, and MaxPoolGrad crashes onnxruntime-training in a
-    subgraph (passes.epoch.scannable): their epochs are one step per batch, the same numbers."""
+    """Dropout draws its masks in the Scan body's own kernel (passes.epoch.scannable): its epochs are one step
+    per batch, the same numbers. MaxPool's gradient by onnxopt's rules is a ScatterElements, which runs in the
+    Scan (the builder's MaxPoolGrad crashes onnxruntime-training in a subgraph): one run, the same numbers."""
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
 
@@ -95,7 +96,7 @@ def test_steps_a_loop_cannot_repeat_run_one_step_per_batch(data, tmp_path, layer
                       dynamic_axes={"X": {0: "n"}}, training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
     looped, stepped = _pair(onnxopt.compile_train_step(str(path), learning_rate=0.01), batch_size=8)
     np.testing.assert_array_equal(looped.epoch(data[0], data[1]), _per_step(stepped, data[0], data[1], 8))
-    assert looped.n_runs == stepped.n_runs == 9
+    assert stepped.n_runs == 9 and looped.n_runs == (9 if layer == "dropout" else 2)
     _assert_same(looped, stepped)
 
 

@@ -13,6 +13,9 @@ import onnxopt
 from onnxopt.errors import ModelError
 from onnxopt.examples import mlp
 from onnxopt.passes.lower import LOWERINGS, MS, check_portable, crops_as_slices, lower_training_ops
+from conftest import needs_training_build
+
+pytestmark = needs_training_build  # NOTE: the training build's kernels are the reference
 
 ort.set_default_logger_severity(3)
 R = np.random.default_rng(0)

@@ -21,6 +21,7 @@ from onnxopt.dsl import loss, op, update_rule
 from onnxopt.errors import CheckpointError, DslError, ModelError, ModelFormatError, ModelVersionError, WeightError
 from onnxopt.examples import mlp
 from onnxopt.modelio import load_model
+from conftest import needs_training_build
 
 X = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
 Y = X.sum(axis=1)
@@ -205,10 +206,11 @@ def test_external_data_not_loaded_raises_model_format_error(tmp_path, monkeypatc
         onnxopt.compile_train_step(proto)
 
 
+@needs_training_build
 def test_protobuf_limit_is_checked_before_the_gradient_builder(monkeypatch):
     monkeypatch.setattr(modelio, "PROTOBUF_LIMIT", 100)  # the 4-8-1 MLP holds 196 bytes of weights
     with pytest.raises(ModelError, match=r"one serialized protobuf, expected < "):
-        onnxopt.compile_train_step(mlp([4, 8, 1]))
+        onnxopt.compile_train_step(mlp([4, 8, 1]), gradient="builder")
 
 
 # -- DSL ------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from onnxopt.examples import mlp
 from onnxopt.runner import cpu_model, default_session_options
 
 from helpers import run_once
+from conftest import needs_training_build
 
 
 @pytest.fixture
@@ -60,6 +61,7 @@ def test_runner_specialized_model_matches_the_step_bit_for_bit(data, loss, sizes
         np.testing.assert_array_equal(value, weights[name], err_msg=name)
 
 
+@needs_training_build
 def test_cpu_model_drops_the_loss_bookkeeping():
     step = onnxopt.compile_train_step(mlp([4, 6, 1]), loss="square", update="sgd", learning_rate=0.05)
     before = collections.Counter(n.op_type for n in step.model.graph.node)
@@ -107,6 +109,7 @@ def test_a_target_of_the_wrong_size_is_a_data_error_naming_y(data):
     assert np.isfinite(runner.step(X[:10], y[:10]))
 
 
+@needs_training_build
 @pytest.mark.parametrize("rows, dtype", [(1, np.float32), (2, np.float32), (1, np.float64), (2, np.float64)])
 def test_relu_gradient_masks_match_the_kernel_at_the_edges(rows, dtype):
     """Every mask of passes/batch.py masked_relu_grads (Sign below LARGE_RELU_GRAD elements; from there
@@ -145,8 +148,9 @@ def test_relu_gradient_masks_match_the_kernel_at_the_edges(rows, dtype):
     np.testing.assert_array_equal(expected, np.where(x > 0, dy, 0))
 
 
+@pytest.mark.parametrize("gradient", ["onnxopt", "builder"])
 @pytest.mark.parametrize("batch", [4, 64])
-def test_relu_gradients_become_masked_products_bit_for_bit(rng, batch):
+def test_relu_gradients_become_masked_products_bit_for_bit(rng, batch, gradient):
     """ReluGrad of a Relu's output runs as a masked product, dy · HardSigmoid(y·2²², alpha=2¹²⁷) where a batch
     makes it large (passes/batch.py LARGE_RELU_GRAD), else dy · Sign(y): same losses and weights as step.model
     (the builder's ReluGrad) run by a plain session, with half the units dead."""
@@ -154,9 +158,13 @@ def test_relu_gradients_become_masked_products_bit_for_bit(rng, batch):
 
     width = 256
     assert width * 64 >= LARGE_RELU_GRAD > width * 4
+    if gradient == "builder" and not onnxopt.gradient.has_training_build():
+        pytest.skip("needs onnxruntime-training's builder")
     step = onnxopt.compile_train_step(mlp([8, width, width, 1], activation="Relu", seed=3), loss="square",
-                                      update="adam", learning_rate=0.01)  # NOTE: SGD's biases change (below)
-    assert collections.Counter(n.op_type for n in step.model.graph.node)["ReluGrad"] == 2  # NOTE: the step keeps them
+                                      update="adam", learning_rate=0.01, gradient=gradient)  # NOTE: SGD's biases change
+    # NOTE: the step keeps the builder's ReluGrads, or onnxopt's rule's dy·Sign(y)
+    assert collections.Counter(n.op_type for n in step.model.graph.node)[
+        "ReluGrad" if gradient == "builder" else "Sign"] == 2
     ops = collections.Counter(n.op_type for n in cpu_model(step, batch_size=batch).model.graph.node)
     large = batch * width >= LARGE_RELU_GRAD
     assert ops["ReluGrad"] == ops["Greater"] == ops["Cast"] == 0 and ops["HardSigmoid"] == (2 if large else 0)
@@ -178,6 +186,7 @@ def test_relu_gradients_become_masked_products_bit_for_bit(rng, batch):
         np.testing.assert_array_equal(value, weights[name], err_msg=name)
 
 
+@needs_training_build
 def test_bias_sums_on_threads_are_products_with_ones(rng):
     """On two threads or more, ReduceSum over the rows of a bias gradient runs as ones · g (passes/batch.py
     summed_rows: onnxruntime 1.19's parallel ReduceSum is slow there): the same losses and weights as
@@ -208,6 +217,7 @@ def _close_to_the_step(step, runner, rng, batches):
         weights, state = runner.get_weights(), runner.get_state()  # NOTE: the next step starts from the runner's
 
 
+@needs_training_build
 @pytest.mark.parametrize("portable", [False, True])
 def test_sgd_bias_updates_are_gemms_with_a_ones_row(rng, portable):
     """SGD with a constant rate on a dense layer's bias, b - lr·Σ_rows g, runs as one Gemm(ones, g, C=b) in the

@@ -21,6 +21,7 @@ from onnxopt.examples import mlp
 from onnxopt.passes.update import find_packs, is_elementwise
 
 from helpers import session
+from conftest import needs_training_build
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +106,7 @@ def test_a_rule_with_a_reduction_stays_per_weight(data):
     assert runner.step(X, y) < first
 
 
+@needs_training_build
 def test_adam_costs_about_as_many_kernels_as_sgd():
     model = mlp([100, 50, 10, 1])
     sgd = onnxopt.compile_train_step(model, loss="square", update="sgd", learning_rate=0.01)
@@ -162,6 +164,7 @@ def _kernel_ops(step) -> collections.Counter:
     return collections.Counter(n.op_type for n in step.model.graph.node if n.domain == "com.microsoft")
 
 
+@needs_training_build
 def test_adam_runs_as_one_training_kernel_only_where_it_computes_the_rule():
     model = mlp([5, 4, 1], seed=2)
     adam = onnxopt.compile_train_step(model, loss="square", update="adamw", learning_rate=0.01)
@@ -178,6 +181,7 @@ def test_adam_runs_as_one_training_kernel_only_where_it_computes_the_rule():
     assert ops["AdamOptimizer"] == 0 and ops["SGDOptimizer"] == 4  # NOTE: its last step is w - lr·(v/‖v‖)
 
 
+@needs_training_build
 @pytest.mark.parametrize("update, weights", [("adam", None), ("adamw", ["coef_0"]), ("sgd", None),
                                              ("nesterov", None), ("momentum", ["bias_1"])])
 def test_training_kernels_match_the_rule_and_never_write_their_inputs(data, update, weights):
@@ -206,6 +210,7 @@ def test_training_kernels_match_the_rule_and_never_write_their_inputs(data, upda
             np.testing.assert_array_equal(ours[name], ref[name], err_msg=name)
 
 
+@needs_training_build
 @pytest.mark.parametrize("update", ["adam", "sgd"])
 def test_runner_steps_with_training_kernels_leave_their_input_set_untouched(data, update):
     """A step reads set k and writes set k+1: the rollback of a diverging step relies on set k staying as it was."""

@@ -39,12 +39,11 @@ def require_training_build(what: str) -> None:
     import sys
 
     raise ImportError(
-        f"{what}: compiling needs onnxruntime-training's gradient builder, found onnxruntime "
-        f"{onnxruntime.__version__} without it (Python {sys.version_info.major}.{sys.version_info.minor}; "
-        "onnxruntime-training has wheels for CPython <= 3.12 only). Compile on Python <= 3.12 "
-        "(pip install onnxopt brings onnxruntime-training-cpu) with compile_train_step(..., portable=True) or "
-        "`onnxopt compile --portable`, save the .onnx and load it here with TrainStep.load, Runner or "
-        "Trainer(step); see docs/portable.md")
+        f"{what}: needs onnxruntime-training's gradient builder, found onnxruntime {onnxruntime.__version__} "
+        f"without it (Python {sys.version_info.major}.{sys.version_info.minor}; onnxruntime-training has wheels for "
+        "CPython <= 3.12 only). Use gradient='onnxopt' (the default: onnxopt's own rules, any onnxruntime), or "
+        "install the training build on Python <= 3.12 (pip install -e . brings onnxruntime-training-cpu there); "
+        "see docs/gradients.md")
 
 
 def load_model(model: ModelLike, name: str = "model", base_dir: str | os.PathLike | None = None) -> ir.Model:

@@ -16,6 +16,7 @@ import onnxopt
 from helpers import under_reference
 from onnxopt.errors import ModelError
 from onnxopt.passes.lower import check_portable
+from conftest import needs_training_build
 from zoo import models as MZ
 from zoo import models_more as MM
 
@@ -38,25 +39,34 @@ CASES = [
 ]
 
 
+@needs_training_build
 @pytest.mark.parametrize("module, name, exporter, p, ops", CASES, ids=[f"{c[1]}-{c[2]}" for c in CASES])
 def test_portable_step_trains_like_the_training_build(module, name, exporter, p, ops):
+    """The builder's step (its kernels), its portable lowering, and the step of onnxopt's own rules train
+    alike, step by step: the builder is the oracle of the rules on exported models."""
     model = module.exported(name, exporter, p)
     kwargs = dict(mode="train" if exporter == "script_train" else "eval", loss=module.loss_name(name),
                   update="momentum", learning_rate=1e-2)
-    plain = onnxopt.compile_train_step(model, **kwargs)
+    plain = onnxopt.compile_train_step(model, gradient="builder", **kwargs)
     assert ops <= {n.op_type for n in plain.model.graph.node}, "the case no longer exercises its lowerings"
-    portable = onnxopt.compile_train_step(model, portable=True, **kwargs)
+    portable = onnxopt.compile_train_step(model, portable=True, gradient="builder", **kwargs)
     check_portable(portable.model)
-    assert (portable.weights, portable.buffers) == (plain.weights, plain.buffers)  # NOTE: the same parameters
+    rules = onnxopt.compile_train_step(model, gradient="onnxopt", **kwargs)
+    for other in (portable, rules):  # NOTE: the same parameters
+        assert (other.weights, other.buffers) == (plain.weights, plain.buffers)
     X, y = module.make_data(name, n=24)
-    # NOTE: Dropout is seeded: the same masks in both. Momentum, not Adam: some of these weights have a gradient
+    # NOTE: Dropout is seeded: the same masks in all. Momentum, not Adam: some of these weights have a gradient
     # of zero but for rounding (a key bias under softmax, a bias before BatchNorm), which Adam scales up to ±lr
-    a, b = onnxopt.Runner(plain), onnxopt.Runner(portable)
+    a, b, c = onnxopt.Runner(plain), onnxopt.Runner(portable), onnxopt.Runner(rules)
     for i in range(0, len(X), 8):
-        np.testing.assert_allclose(b.step(X[i:i + 8], y[i:i + 8]), a.step(X[i:i + 8], y[i:i + 8]), rtol=1e-5)
-    wa, wb = a.get_weights(), b.get_weights()
-    for k in wa:
-        np.testing.assert_allclose(wb[k], wa[k], rtol=1e-4, atol=1e-6, err_msg=k)
+        expected = a.step(X[i:i + 8], y[i:i + 8])
+        np.testing.assert_allclose(b.step(X[i:i + 8], y[i:i + 8]), expected, rtol=1e-5)
+        np.testing.assert_allclose(c.step(X[i:i + 8], y[i:i + 8]), expected, rtol=1e-5)
+    wa = a.get_weights()
+    for other in (b, c):
+        wb = other.get_weights()
+        for k in wa:
+            np.testing.assert_allclose(wb[k], wa[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
 def test_rnn_that_cannot_be_unrolled_is_refused_by_name():
@@ -70,9 +80,13 @@ def test_rnn_that_cannot_be_unrolled_is_refused_by_name():
     inits.append(onnx.numpy_helper.from_array(np.array([0], np.int64), "zero"))
     graph = oh.make_graph(nodes, "g", [x], [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1])], inits)
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=9)
-    onnxopt.compile_train_step(model, loss="square")  # NOTE: the training build trains it
+    with pytest.raises(onnxopt.NotDifferentiableError, match=r"GRU \(node '[^']*'\)"):  # NOTE: no rule, not unrolled
+        onnxopt.compile_train_step(model, loss="square", gradient="onnxopt")
+    if not onnxopt.gradient.has_training_build():
+        return
+    onnxopt.compile_train_step(model, loss="square", gradient="builder")  # NOTE: the training build trains it
     with pytest.raises(ModelError, match=r"GRUTraining \(node '[^']*'\) has no lowering.*unrolls GRU and LSTM"):
-        onnxopt.compile_train_step(model, loss="square", portable=True)
+        onnxopt.compile_train_step(model, loss="square", portable=True, gradient="builder")
 
 
 @pytest.mark.parametrize("module, name, exporter", [(MM, "pool_pad", "script"), (MM, "deconv", "dynamo")],

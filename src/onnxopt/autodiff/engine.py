@@ -184,8 +184,9 @@ def _check_rules(todo: list[ir.Node], active: set) -> None:
     """Raises NotDifferentiableError listing every node on a gradient path whose op has no rule."""
     missing = [n for n in todo if _rule_of(n) is None]
     if missing:
-        listed = ", ".join(f"{n.domain or 'ai.onnx'}::{n.op_type} (node {n.name!r}, inputs needing a gradient "
-                           f"{[v.name for v in n.inputs if v is not None and v in active]})" for n in missing)
+        listed = ", ".join(f"{n.domain or 'ai.onnx'}::{n.op_type} (node {n.name!r}) whose inputs "
+                           f"{[v.name for v in n.inputs if v is not None and v in active]} need a gradient"
+                           for n in missing)
         raise NotDifferentiableError(
             f"model: onnxopt has no gradient rule for {len(missing)} node(s): {listed}; expected ops of "
             "docs/ops.md (rewrite these ops into differentiable ones, or leave the weights before them out with "

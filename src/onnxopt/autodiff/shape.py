@@ -143,7 +143,19 @@ def _pad(c):
     dy = c.go(0)
     pads = c.node.inputs[1]
     axes = c.node.inputs[3] if len(c.node.inputs) > 3 else None
-    return [c.Pad(dy, c.Neg(pads), *([None, axes] if axes is not None else []))]
+    const = _const(pads)
+    r = 0 if const is None else len(const) // 2
+    if const is not None and axes is None and (const >= 0).all():  # NOTE: a Slice: onnx.reference refuses crops
+        ends = [-e if e > 0 else np.iinfo(np.int64).max for e in const[r:]]
+        return [c.Slice(dy, c.ints(const[:r]), c.ints(ends), c.ints(range(r)))]
+    r = c.rank(c.I(0))
+    if const is None and axes is None and r is not None:  # NOTE: pads computed in the graph (TorchScript)
+        zero = c.Constant(value_int=0)
+        begin, end = c.Slice(pads, c.ints([0]), c.ints([r])), c.Slice(pads, c.ints([r]), c.ints([2 * r]))
+        cut = c.Slice(dy, c.Max(begin, zero), c.Sub(c.Shape(dy), c.Max(end, zero)), c.ints(range(r)))
+        return [c.Pad(cut, c.Max(c.Neg(pads), zero))]  # NOTE: where the forward cropped, zeros
+    negated = c.ints(-const) if const is not None else c.Neg(pads)
+    return [c.Pad(dy, negated, *([None, axes] if axes is not None else []))]
 
 
 @rule("TopK", family=F, inputs=(0,))

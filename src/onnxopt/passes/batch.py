@@ -130,7 +130,8 @@ def drop_same_shape_reshapes(model: ir.Model) -> int:
 
 
 def masked_relu_grads(model: ir.Model, batch_size: int) -> int:
-    """Rewrites ``com.microsoft::ReluGrad(dy, y)`` of a ``Relu``'s output ``y`` (y ≥ 0) as a masked product:
+    """Rewrites ``com.microsoft::ReluGrad(dy, y)`` of a ``Relu``'s output ``y`` (y ≥ 0) as a masked product
+    (and the ``Sign(y)`` mask of onnxopt's own Relu rule, where large):
     where ``batch_size`` rows of ``y`` hold at least ``LARGE_RELU_GRAD`` elements, ``dy · HardSigmoid(y·2²²,
     alpha=2¹²⁷)`` in float32 (the smallest subnormal times 2¹⁴⁹ is 1: exact powers of two) and ``dy · Ceil(Min(y,
     1))`` in float64, else ``dy · Sign(y)``; every mask is 0 at 0 and 1 above, subnormals included. The same values
@@ -138,14 +139,16 @@ def masked_relu_grads(model: ir.Model, batch_size: int) -> int:
     element. Returns how many."""
     done = 0
     for node in list(model.graph):
-        if node.op_type != "ReluGrad" or node.domain != "com.microsoft":
+        # NOTE: onnxopt's own Relu rule writes dy · Sign(y): only its mask needs a large batch's form
+        sign = node.op_type == "Sign" and node.domain in ("", "ai.onnx")
+        if not sign and (node.op_type != "ReluGrad" or node.domain != "com.microsoft"):
             continue
-        dy, y = node.inputs
+        dy, y = (None, node.inputs[0]) if sign else node.inputs
         dims = list(y.shape) if y.shape is not None else []
         rows = (dims[0] if isinstance(dims[0], int) else batch_size) if dims else 0
         large = dims and all(isinstance(d, int) for d in dims[1:]) and rows * math.prod(dims[1:]) >= LARGE_RELU_GRAD
         relu = y.producer() is not None and y.producer().op_type == "Relu" and y.producer().domain in ("", "ai.onnx")
-        if y.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or not relu:
+        if y.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or not relu or (sign and not large):
             continue
         tape = ir.tape.Tape()
         if large and y.dtype == ir.DataType.FLOAT:  # NOTE: HardSigmoid's alpha is a float32: up to 2^127
@@ -156,7 +159,7 @@ def masked_relu_grads(model: ir.Model, batch_size: int) -> int:
             mask = tape.op("Ceil", [tape.op("Min", [y, one])])
         else:
             mask = tape.op("Sign", [y])
-        _replace(model, node, tape, tape.op("Mul", [dy, mask]))
+        _replace(model, node, tape, mask if sign else tape.op("Mul", [dy, mask]))
         done += 1
     return done
 
