@@ -13,7 +13,8 @@ ort.set_default_logger_severity(3)
 def session(model) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=["EliminateDropout"])  # NOTE: as the Runner (runner.KEEP_DROPOUT)
 
 
 def run_once(step, X, y, sample_weight=None, weights=None, state=None, step_count=0) -> dict[str, np.ndarray]:

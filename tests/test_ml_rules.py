@@ -103,7 +103,12 @@ def test_linear_regressor_without_intercepts(rng):
 @pytest.mark.parametrize("post_transform", ["NONE", "LOGISTIC", "SOFTMAX"])
 @pytest.mark.parametrize("labels", [[0, 1], ["no", "yes"]])
 def test_linear_classifier_binary_one_score(rng, post_transform, labels):
-    """One score, two labels: onnxruntime outputs (1 - s, s) whatever the post_transform."""
+    """One score, two labels: onnxruntime outputs (1 - s, s), s through the sigmoid with LOGISTIC (since 1.20;
+    onnxruntime-training 1.19 ignores LOGISTIC there, the lowering follows the later releases)."""
+    import onnxruntime
+
+    if post_transform == "LOGISTIC" and tuple(map(int, onnxruntime.__version__.split(".")[:2])) < (1, 20):
+        pytest.skip(f"onnxruntime {onnxruntime.__version__} ignores LOGISTIC for one score")
     _compare(classifier(1, labels, post_transform), TensorProto.FLOAT, rng)
 
 

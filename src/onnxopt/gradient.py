@@ -625,7 +625,8 @@ class SplitAgent:
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         providers = (["CUDAExecutionProvider"] if device == "cuda" else []) + ["CPUExecutionProvider"]
-        self._fwd = ort.InferenceSession(forward.SerializeToString(), opts, providers=providers)
+        self._fwd = ort.InferenceSession(forward.SerializeToString(), opts, providers=providers,
+                                         disabled_optimizers=["EliminateDropout"])  # NOTE: runner.KEEP_DROPOUT
         self._bwd = ort.InferenceSession(backward.SerializeToString(), opts, providers=providers)
         self._feeds = [i.name for i in self._fwd.get_inputs()]
         self._outs = [o.name for o in self._fwd.get_outputs()]

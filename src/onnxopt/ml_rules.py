@@ -6,7 +6,8 @@ coefficients are initializers (weights to train), computing the same outputs:
 - ``LinearRegressor(X)`` (post_transform NONE) -> ``MatMul(Cast(X, float), <node>_coef) + <node>_intercept``
   with ``<node>_coef`` = coefficients reshaped (targets, features) and transposed.
 - ``LinearClassifier(X)`` -> raw scores ``s = MatMul(Cast(X, float), <node>_coef) + <node>_intercept``, then
-  the scores output: ``Concat(1 - s, s)`` for one score and two class labels (onnxruntime's binary case,
+  the scores output: ``Concat(1 - s, s)`` for one score and two class labels (``s = Sigmoid(s)`` first with
+  LOGISTIC, as onnxruntime >= 1.20 computes it; 1.19 ignored it there) (onnxruntime's binary case,
   whatever the post_transform), else ``s`` / ``Sigmoid(s)`` / ``Softmax(s)`` for post_transform NONE /
   LOGISTIC / SOFTMAX; the label output: ``Where(s > 0, labels[1], labels[0])`` or ``labels[ArgMax(s)]``.
   PROBIT and SOFTMAX_ZERO are left alone (then reported by ``NotDifferentiableError``).
@@ -118,6 +119,9 @@ def _linear_classifier_lowered(op, x, label, scores):
         one = op.Constant(value=ir.tensor(np.array([1.0], dtype=np.float32)))
         positive = op.Greater(op.Reshape(s, op.Constant(value_ints=[-1])), op.Constant(value_float=0.0))
         y = op.Where(positive, _labels(op, labels[1:2]), _labels(op, labels[0:1]))
+        # NOTE: LOGISTIC applies to s first, as onnxruntime >= 1.20 does (1.19 ignored it in this case)
+        if node.attributes.get_string("post_transform", "NONE") == "LOGISTIC":
+            s = op.Sigmoid(s)
         return y, op.Concat(op.Sub(one, s), s, axis=1)
     y = op.Gather(_labels(op, labels), op.ArgMax(s, axis=1, keepdims=0), axis=0)
     transform = node.attributes.get_string("post_transform", "NONE")

@@ -32,6 +32,9 @@ from onnxopt.passes.epoch import CHECK, COUNT, LAST, PREFIX, epoch_model, scanna
 from onnxopt.passes.update import PACK_WEIGHTS, flat_carry
 from onnxopt.step import NEW, STEP, TrainStep
 
+# NOTE: stock onnxruntime (1.32) removes a Dropout whose mask nothing reads, training_mode true or not: a step
+# whose gradient does not pass the Dropout (weights before it frozen) would train on one mask for ever
+KEEP_DROPOUT = ["EliminateDropout"]
 __all__ = ["Runner", "default_session_options", "cpu_model"]
 
 logger = logging.getLogger(__name__)
@@ -193,7 +196,7 @@ class Runner:
         self._loop_bound: list[tuple | None] = [None] * _N_SETS  # NOTE: per epoch binding: (steps, batch) it holds
         self._cpu = stripped if cpu and scannable(model) else None  # NOTE: the epoch model's body, made when used
         try:
-            self.session = ort.InferenceSession(stripped, opts, providers=providers)
+            self.session = ort.InferenceSession(stripped, opts, providers=providers, disabled_optimizers=KEEP_DROPOUT)
         except Exception as exc:
             raise _missing_kernel(exc, self.train_step.model, device) or exc
         # NOTE: as the step declares them (the session's target and sample weights may be specialized, cpu_model)
@@ -448,7 +451,7 @@ class Runner:
             self._epoch_model = epoch_model(onnx.load_from_string(self._cpu), [self._x_name, self._y_name], self._bound,
                                            views, self.train_step.loss)
             session = ort.InferenceSession(self._epoch_model.SerializeToString(), self._opts,
-                                           providers=["CPUExecutionProvider"])
+                                           providers=["CPUExecutionProvider"], disabled_optimizers=KEEP_DROPOUT)
             self._epoch = (session._sess, [session.io_binding()._iobinding for _ in range(_N_SETS)])
             self._check = np.full((), np.nan, self.dtype)
             check = C.OrtValue.ortvalue_from_numpy(self._check, self._device)
