@@ -1,0 +1,239 @@
+"""Streamed training data: blocks of batches read in a background thread while the previous ones train.
+
+Sources (``as_stream``): an iterable of batches ``(X, y)`` or ``(X, y, sample_weight)`` iterated again each
+epoch (a re-iterable object or a zero-argument callable returning an iterator), numpy memmaps, a Parquet file or
+folder, or a ``pyarrow.dataset.Dataset`` with the ``features``/``target`` columns named (pyarrow is an extra).
+Each source reads *chunks* (a user batch, a Parquet row group, ``MEMMAP_ROWS`` rows of a memmap) and ``blocks``
+cuts them into blocks of whole batches of about ``BLOCK_BYTES``, which the Trainer runs as one ``Runner.epoch``.
+- ``shuffle=True``: the chunks' order is permuted each epoch, then the rows within a buffer of
+  ``SHUFFLE_BLOCKS`` blocks; user batches are kept as given, in their order.
+- memory: ``PREFETCH`` blocks queued, the shuffle buffer and one chunk (a Parquet row group's columns).
+- held-out chunks (early stopping): chunk k is validation when ``floor((k+1)·f) > floor(k·f)``, f the fraction.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from onnxopt.errors import DataError
+
+__all__ = ["as_stream", "blocks", "prefetch", "BLOCK_BYTES", "SHUFFLE_BLOCKS", "PREFETCH", "MEMMAP_ROWS"]
+
+BLOCK_BYTES = 4 << 20  # NOTE: a block of W1's batches (400 B rows) holds ~10k rows, of W3's (3 kB) 10 batches
+MAX_BATCHES = 64  # NOTE: batches per block at most (one Scan run for small steps)
+SHUFFLE_BLOCKS = 4
+PREFETCH = 2
+MEMMAP_ROWS = 65536
+
+
+def held_out(k: int, fraction: float) -> bool:
+    return int((k + 1) * fraction) > int(k * fraction)
+
+
+class _Chunks:
+    """A source read as ``n`` chunks by index (``_read(k, rows)``), shuffled and held out by chunk."""
+
+    batched, n, rows = False, 0, None
+
+    def chunks(self, rng, part, rows: int) -> Iterator[tuple]:
+        keys = [k for k in range(self.n) if part is None or held_out(k, part[1]) == (part[0] == "validation")]
+        if part is not None and not keys:
+            raise DataError(f"X: holding out a fraction {part[1]} of {self.n} chunk(s) leaves no {part[0]} data; "
+                            "expected more chunks (row groups, files or batches) or validation data")
+        for k in rng.permutation(keys) if rng is not None else keys:
+            yield from self._read(int(k), rows)
+
+
+class _Batches:
+    """The user's batches, each one step, in their order (an iterable iterated again each epoch)."""
+
+    batched, n, rows = True, None, None
+
+    def __init__(self, source):
+        self.source = source
+
+    def chunks(self, rng, part, rows: int) -> Iterator[tuple]:
+        seen = False
+        for k, batch in enumerate(self.source() if callable(self.source) else self.source):
+            seen = True
+            if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+                raise DataError(f"X: batch {k} of the iterable: expected a tuple (X, y) or (X, y, sample_weight), "
+                                f"got {type(batch).__name__}{'' if not hasattr(batch, '__len__') else len(batch)}")
+            if part is None or held_out(k, part[1]) == (part[0] == "validation"):
+                yield (*batch, None) if len(batch) == 2 else tuple(batch)
+        if not seen:
+            raise DataError("X: the iterable of batches gave no batch (a generator is exhausted after one epoch: "
+                            "pass a zero-argument callable returning a new iterator, or a re-iterable object)")
+
+
+class _Memmap(_Chunks):
+    def __init__(self, X, y, sw):
+        self.arrays, self.rows = (X, y, sw), len(X)
+        self.n = -(-len(X) // MEMMAP_ROWS)
+
+    def _read(self, k: int, rows: int):
+        a = k * MEMMAP_ROWS
+        yield tuple(None if v is None else np.array(v[a:a + MEMMAP_ROWS]) for v in self.arrays)
+
+
+class _Parquet(_Chunks):
+    """Row groups of a ``pyarrow.dataset.Dataset``; features are scalar or list columns, stacked side by side."""
+
+    def __init__(self, dataset, features, target, weight):
+        names = dataset.schema.names
+        features = [c for c in names if c not in (target, weight)] if features is None else list(features)
+        for what, cols in (("features", features), ("target", [target]), ("sample_weight", [weight])):
+            bad = [c for c in cols if c is not None and c not in names]
+            if bad or (what == "features" and not cols):
+                raise DataError(f"{what}: expected column(s) of {names}, got {bad or cols}")
+        if target is None:
+            raise DataError(f"target: a Parquet source needs the target column named (one of {names}), got None")
+        self.features, self.columns = features, [*features, target, *([weight] if weight else [])]
+        self.pieces = [g for f in dataset.get_fragments() for g in f.split_by_row_group()]
+        self.n, self.rows = len(self.pieces), dataset.count_rows()
+        self.weighted = weight is not None
+
+    def _read(self, k: int, rows: int):
+        for rb in self.pieces[k].to_batches(columns=self.columns, batch_size=rows):
+            cols = [_column(rb.column(i)) for i in range(rb.num_columns)]
+            nf = len(self.features)
+            y = cols[nf][:, 0] if cols[nf].shape[1] == 1 else cols[nf]
+            yield cols[0] if nf == 1 else np.hstack(cols[:nf]), y, cols[nf + 1][:, 0] if self.weighted else None
+
+
+def _column(col) -> np.ndarray:
+    """An Arrow column as (n, k): a scalar column as (n, 1), a (fixed-size) list column as its values."""
+    import pyarrow as pa
+
+    if pa.types.is_list(col.type) or pa.types.is_fixed_size_list(col.type) or pa.types.is_large_list(col.type):
+        return col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), -1)
+    return col.to_numpy(zero_copy_only=False).reshape(len(col), 1)
+
+
+def as_stream(X, y=None, sample_weight=None, features=None, target=None):
+    """The stream over ``X`` when it is one (see the module's docstring), else None (arrays)."""
+    if isinstance(X, np.memmap) or isinstance(y, np.memmap):
+        return _Memmap(X, y, sample_weight)
+    if isinstance(X, (str, os.PathLike)) or type(X).__module__.startswith("pyarrow"):
+        try:
+            import pyarrow.dataset as ds
+        except ImportError as exc:
+            raise DataError(f"X: reading {X!r} needs pyarrow (pip install 'onnxopt[parquet]')") from exc
+        if isinstance(X, (str, os.PathLike)):
+            if not os.path.exists(X):
+                raise DataError(f"X: expected a Parquet file or folder, got {os.fspath(X)!r}, which does not exist")
+            X = ds.dataset(os.fspath(X), format="parquet")
+        if y is not None:
+            raise DataError(f"y: a Parquet source reads its target from column target={target!r}, got an array")
+        return _Parquet(X, features, target, sample_weight)
+    if isinstance(X, np.ndarray) or hasattr(X, "__array__") or hasattr(X, "iloc") or isinstance(X, (list, tuple)):
+        return None
+    if callable(X) or hasattr(X, "__iter__"):
+        if not callable(X) and iter(X) is X:
+            raise DataError(f"X: {type(X).__name__} is a one-shot iterator, read once; expected a re-iterable object "
+                            "or a zero-argument callable returning a new iterator each epoch")
+        if y is not None or sample_weight is not None:
+            raise DataError("y: an iterable of batches carries its targets, got y or sample_weight as well")
+        return _Batches(X)
+    return None
+
+
+def _cat(parts: list[tuple]) -> tuple:
+    return tuple(None if parts[0][i] is None else parts[0][i] if len(parts) == 1
+                 else np.concatenate([q[i] for q in parts]) for i in range(3))
+
+
+def blocks(stream, batch: int, rng: np.random.Generator | None = None, part=None, dtype=None) -> Iterator[tuple]:
+    """Blocks ``(X, y, sample_weight, batch)`` of whole batches (but the last), X cast to ``dtype``."""
+    cast = (lambda b: b) if dtype is None else (lambda b: (np.asarray(b[0], dtype), *b[1:]))  # noqa: E731
+    if stream.batched:  # NOTE: equal-length user batches grouped up to BLOCK_BYTES, kept as they are
+        group: list[tuple] = []
+        for b in stream.chunks(rng, part, batch):
+            b = cast(b)
+            if group and (len(b[0]) != len(group[0][0]) or (b[2] is None) != (group[0][2] is None)
+                          or len(group) >= MAX_BATCHES or len(group) * b[0].nbytes >= BLOCK_BYTES):
+                yield (*_cat(group), len(group[0][0]))
+                group = []
+            group.append(b)
+        if group:
+            yield (*_cat(group), len(group[0][0]))
+        return
+    size, pending, rows = None, [], 0
+    for chunk in stream.chunks(rng, part, batch * MAX_BATCHES):
+        chunk = cast(chunk)
+        if size is None:
+            row = max(chunk[0][:1].nbytes, 1)
+            size = batch * max(1, min(MAX_BATCHES, BLOCK_BYTES // (batch * row)))
+        pending.append(chunk)
+        rows += len(chunk[0])
+        if rows >= size * (SHUFFLE_BLOCKS if rng is not None else 1):
+            data = _permuted(_cat(pending), rng)
+            cut = rows // size * size
+            yield from ((*(None if a is None else a[i:i + size] for a in data), batch) for i in range(0, cut, size))
+            pending, rows = [tuple(None if a is None else a[cut:] for a in data)], rows - cut
+    if rows:
+        data = _permuted(_cat(pending), rng)
+        yield from ((*(None if a is None else a[i:i + size] for a in data), batch) for i in range(0, rows, size))
+
+
+def _permuted(data: tuple, rng) -> tuple:
+    if rng is None:
+        return data
+    order = rng.permutation(len(data[0]))
+    return tuple(None if a is None else a[order] for a in data)
+
+
+def prefetch(items: Iterator, depth: int = PREFETCH) -> Iterator:
+    """``items`` produced by a background thread, ``depth`` ahead; its errors are raised here."""
+    q: queue.Queue = queue.Queue(depth)
+    stop, end = threading.Event(), object()
+
+    def work() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+                if stop.is_set():
+                    return
+            q.put((end, None))
+        except BaseException as exc:  # noqa: BLE001  NOTE: raised in the consumer's thread
+            q.put((end, exc))
+
+    thread = threading.Thread(target=work, name="onnxopt-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, exc = q.get()
+            if exc is not None:
+                raise exc
+            if item is end:
+                return
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                q.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        thread.join()
+
+
+def epoch(run: Callable, stream, batch: int, rng=None, part=None, dtype=None) -> tuple[float, int]:
+    """Runs ``run(X, y, sample_weight, batch) -> mean loss`` on each block; returns (mean loss, rows)."""
+    total, n = 0.0, 0
+    for X, y, sw, b in prefetch(blocks(stream, batch, rng, part, dtype)):
+        total += run(X, y, sw, b) * len(X)
+        n += len(X)
+    if not n:
+        raise DataError("X: the stream gave no rows in this epoch")
+    return total / n, n
