@@ -167,25 +167,26 @@ def blocks(stream, batch: int, rng: np.random.Generator | None = None, part=None
     for chunk in stream.chunks(rng, part, batch * MAX_BATCHES):
         chunk = cast(chunk)
         if size is None:
-            row = max(chunk[0][:1].nbytes, 1)
-            size = batch * max(1, min(MAX_BATCHES, BLOCK_BYTES // (batch * row)))
+            size = batch * max(1, min(MAX_BATCHES, BLOCK_BYTES // (batch * max(chunk[0][:1].nbytes, 1))))
         pending.append(chunk)
         rows += len(chunk[0])
         if rows >= size * (SHUFFLE_BLOCKS if rng is not None else 1):
-            data = _permuted(_cat(pending), rng)
-            cut = rows // size * size
-            yield from ((*(None if a is None else a[i:i + size] for a in data), batch) for i in range(0, cut, size))
-            pending, rows = [tuple(None if a is None else a[cut:] for a in data)], rows - cut
+            yield from _cut(pending, size, rng, batch, rows // size * size)
+            rows = len(pending[0][0])
     if rows:
-        data = _permuted(_cat(pending), rng)
-        yield from ((*(None if a is None else a[i:i + size] for a in data), batch) for i in range(0, rows, size))
+        yield from _cut(pending, size, rng, batch, rows)
 
 
-def _permuted(data: tuple, rng) -> tuple:
-    if rng is None:
-        return data
-    order = rng.permutation(len(data[0]))
-    return tuple(None if a is None else a[order] for a in data)
+def _cut(pending: list, size: int, rng, batch: int, cut: int) -> Iterator[tuple]:
+    """Blocks of ``size`` rows from the first ``cut`` rows of ``pending`` (shuffled by ``rng``), each a copy so
+    that the buffer is freed with the last; ``pending`` keeps the rest."""
+    data = _cat(pending)
+    pending.clear()
+    order = rng.permutation(len(data[0])) if rng is not None else None
+    take = lambda a, i, j: None if a is None else (a[order[i:j]] if order is not None else a[i:j])  # noqa: E731
+    pending.append(tuple(take(a, cut, len(data[0])) for a in data))
+    for i in range(0, cut, size):
+        yield (*(take(a, i, min(i + size, cut)) for a in data), batch)
 
 
 def prefetch(items: Iterator, depth: int = PREFETCH) -> Iterator:
