@@ -91,6 +91,12 @@ def _linear(weights: dict[str, np.ndarray], opset: int) -> ir.Model:
 
 def split_step(model, update="sgd", learning_rate=1e-2, **kwargs) -> tuple[TrainStep, TrainStep]:
     """(gradient step, update step) of ``compile_train_step(model, update=..., learning_rate=..., **kwargs)``."""
+    from onnxopt.resolve import resolve_loss
+
+    loss = kwargs.get("loss", "square")
+    if loss is not None and resolve_loss(loss).reduction == "sum":  # NOTE: ranks weigh their gradients as means
+        raise ModelError(f"loss: data-parallel training averages per-rank means; expected a mean reduction, got "
+                         f"{resolve_loss(loss).name!r} with reduction='sum'")
     grad = compile_train_step(model, update=emit_gradient, learning_rate=1.0, **kwargs)
     if grad.buffers or grad.output_grad:
         raise ModelError(f"model: data-parallel training needs a step without running statistics or external "
@@ -125,14 +131,19 @@ class DataParallelRunner:
             raise DataError(f"device: data-parallel training runs on 'cpu' (gloo) so far, got {device!r}; "
                             "docs/tutorials/distributed.md describes the CUDA (NCCL) design")
         self.rank, self.world, self._dist = world()
-        self.updater = Runner(update, device, batch_size=batch_size)
         self.train_step, self.device, self.batch_size = grad, device, batch_size
         weights = grad.initial_weights()
         self._size = sum(a.size for a in weights.values())
-        opts = session_options or default_session_options(self._size, max(1, batch_size // self.world))
-        if session_options is None and opts.intra_op_num_threads == 0:  # NOTE: the cores shared by local ranks
-            opts.intra_op_num_threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        self.session = ort.InferenceSession(_without_values(grad.model, weights), opts,
+        cores = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+        def options(rows: int) -> ort.SessionOptions:  # NOTE: ORT's default pool capped to the cores of a local rank
+            opts = session_options or default_session_options(self._size, rows)
+            if session_options is None and opts.intra_op_num_threads == 0:
+                opts.intra_op_num_threads = cores
+            return opts
+
+        self.updater = Runner(update, device, session_options=options(1), batch_size=1)
+        self.session = ort.InferenceSession(_without_values(grad.model, weights), options(max(1, batch_size // self.world)),
                                             providers=["CPUExecutionProvider"])
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.x_dtype = _numpy(types[grad.inputs[0]])
