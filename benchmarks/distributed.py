@@ -3,7 +3,8 @@
 For each workload, alternating ``--rounds`` times: one process with ``Runner`` (the fused step, 1 thread), then
 ``DataParallelRunner`` on 1 rank and on 2 ranks (processes started here, gloo on 127.0.0.1, 1 thread each), each
 timing ``--epochs`` epochs of the workload's data after one untimed epoch. Reported: samples/s (median over the
-rounds), the 2-rank / 1-process ratio (target >= 1.7), and the all-reduce's share of a rank's step time.
+rounds), the 2-rank / 1-process ratio (target >= 1.7), and the all-reduce's share of a rank's step time, both
+as measured in the epochs (waits for the other rank included) and for 20 all-reduces of the same buffer alone.
 
     python benchmarks/distributed.py W3 W5 [--epochs 1] [--rounds 3]
 """
@@ -35,6 +36,7 @@ def _options() -> ort.SessionOptions:
 
 
 def _timed(epoch, epochs: int) -> float:
+    """Seconds of ``epochs`` epochs after an untimed one."""
     epoch()
     t0 = time.perf_counter()
     for _ in range(epochs):
@@ -52,14 +54,14 @@ def single(name: str, epochs: int) -> float:
 
 
 def rank(name: str, epochs: int) -> None:
-    """One rank (RANK/WORLD_SIZE set): prints JSON {samples/s, all-reduce seconds, seconds} on rank 0."""
+    """One rank (RANK/WORLD_SIZE set): prints JSON {samples/s, all-reduce seconds, seconds, all-reduce alone}."""
     wl = WORKLOADS[name]
     X, y = wl.data()
     steps = distributed.split_step(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update), learning_rate=wl.lr)
     runner = distributed.DataParallelRunner(*steps, batch_size=wl.batch, session_options=_options())
-    spent = [0.0]
-    if runner._dist is not None:
-        reduce = runner._dist.all_reduce
+    spent, dist = [0.0], runner._dist
+    if dist is not None:
+        reduce = dist.all_reduce
 
         def timed_reduce(tensor):
             t0 = time.perf_counter()
@@ -70,9 +72,16 @@ def rank(name: str, epochs: int) -> None:
                                           "all_gather_object": runner._dist.all_gather_object})
     runner.epoch(X, y)
     spent[0] = 0.0
-    seconds = _timed(lambda: runner.epoch(X, y), epochs) + 0.0
-    if runner.rank == 0:
-        print(json.dumps({"samples_s": wl.n * epochs / seconds, "allreduce_s": spent[0], "seconds": seconds}))
+    seconds = _timed(lambda: runner.epoch(X, y), epochs)
+    alone = 0.0
+    if dist is not None:  # NOTE: the same all-reduce with no step around it: its own cost
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            dist.all_reduce(runner._tensor)
+        alone = (time.perf_counter() - t0) / 20
+    print(json.dumps({"samples_s": wl.n * epochs / seconds, "allreduce_s": spent[0], "seconds": seconds,
+                      "alone_s": alone, "steps": wl.steps * epochs}))
 
 
 def ranks(name: str, n: int, epochs: int) -> dict:
@@ -98,20 +107,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.rank:
         return rank(args.rank, args.epochs)
-    print("| workload | 1 process (samples/s) | 1 rank | 2 ranks | 2 ranks / 1 process | all-reduce share (2 ranks) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| workload | 1 process (samples/s) | 1 rank | 2 ranks | 2 ranks / 1 process | all-reduce share (2 ranks) "
+          "| all-reduce alone (ms) / step (ms) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    med = statistics.median
     for name in args.workloads:
-        one, r1, r2, share = [], [], [], []
+        rows = []
         for _ in range(args.rounds):
-            one.append(single(name, args.epochs))
-            r1.append(ranks(name, 1, args.epochs)["samples_s"])
-            two = ranks(name, 2, args.epochs)
-            r2.append(two["samples_s"])
-            share.append(two["allreduce_s"] / two["seconds"])
-        med = statistics.median
-        print(f"| {name} | {med(one):.0f} | {med(r1):.0f} | {med(r2):.0f} | {med(r2) / med(one):.2f} "
-              f"(rounds {', '.join(f'{b / a:.2f}' for a, b in zip(one, r2))}) | {100 * med(share):.0f}% |", flush=True)
-
+            one, r1, two = single(name, args.epochs), ranks(name, 1, args.epochs), ranks(name, 2, args.epochs)
+            rows.append((one, r1["samples_s"], two["samples_s"], two["allreduce_s"] / two["seconds"],
+                         1e3 * two["alone_s"], 1e3 * two["seconds"] / two["steps"]))
+        one, r1, r2, share, alone, step = (med(col) for col in zip(*rows))
+        print(f"| {name} | {one:.0f} | {r1:.0f} | {r2:.0f} | {r2 / one:.2f} (rounds "
+              f"{', '.join(f'{r[2] / r[0]:.2f}' for r in rows)}) | {100 * share:.0f}% | {alone:.1f} / {step:.1f} |",
+              flush=True)
 
 if __name__ == "__main__":
     main()

@@ -143,15 +143,18 @@ class DataParallelRunner:
             return opts
 
         self.updater = Runner(update, device, session_options=options(1), batch_size=1)
-        self.session = ort.InferenceSession(_without_values(grad.model, weights), options(max(1, batch_size // self.world)),
-                                            providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(_without_values(grad.model, weights),
+                                            options(max(1, batch_size // self.world)), providers=["CPUExecutionProvider"])
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.x_dtype = _numpy(types[grad.inputs[0]])
         self._y_dtype = _numpy(types[grad.target]) if grad.target else None
         self._buffer = np.zeros(self._size + 2, self.updater.dtype)  # NOTE: [Σc·g, Σc·loss, Σc], all-reduced
         self._loss = np.zeros((), self.updater.dtype)
         self._bindings: dict[int, ort.IOBinding] = {}
-        self._tensor = None if self._dist is None else __import__("torch").from_numpy(self._buffer)
+        if self._dist is not None:
+            import torch
+
+            self._tensor = torch.from_numpy(self._buffer)
         self._checked = False
         digest = hashlib.sha256(grad.model.SerializeToString() + update.model.SerializeToString()).hexdigest()
         self._agree("the compiled steps (model, loss, update, options)", digest[:16])
@@ -170,7 +173,8 @@ class DataParallelRunner:
         differ = [r for r, v in enumerate(values) if v != values[0]]
         if differ:
             raise DistributedError(f"ranks disagree on {what}: rank 0 has {values[0]!r}, rank {differ[0]} has "
-                                   f"{values[differ[0]]!r}; every rank must run the same model, options and data schema")
+                                   f"{values[differ[0]]!r}; every rank must run the same model, options and data "
+                                   "schema")
 
     def _collective(self, call, what: str) -> None:
         try:
@@ -209,7 +213,8 @@ class DataParallelRunner:
         buf = self._buffer
         if weight > 0:
             binding = self._binding()
-            feeds = {step.inputs[0]: X[lo:hi], step.target: None if y is None else as_array(y, self._y_dtype, "y")[lo:hi],
+            target = None if y is None else as_array(y, self._y_dtype, "y")[lo:hi]
+            feeds = {step.inputs[0]: X[lo:hi], step.target: target,
                      step.sample_weight: np.ones(hi - lo, self.updater.dtype) if sw is None else sw}
             for name, value in feeds.items():
                 if name is not None:
@@ -224,8 +229,9 @@ class DataParallelRunner:
         buf[:-1] /= buf[-1]
         loss = float(buf[-2])
         if not math.isfinite(loss):
-            raise ConvergenceError(f"loss became {loss} at step {self.updater.step_count + 1}; the weights are those "
-                                   f"that gave the last finite loss (step {self.updater.step_count}), see get_weights()")
+            raise ConvergenceError(f"loss became {loss} at step {self.updater.step_count + 1}; the weights are "
+                                   f"those that gave the last finite loss (step {self.updater.step_count}), see "
+                                   "get_weights()")
         self.updater.step(buf[:self._size])
         return loss
 
@@ -254,4 +260,5 @@ class DataParallelRunner:
 
 
 def _numpy(onnx_type: str):
-    return {"tensor(int64)": np.int64, "tensor(double)": np.float64, "tensor(int32)": np.int32}.get(onnx_type, np.float32)
+    types = {"tensor(int64)": np.int64, "tensor(double)": np.float64, "tensor(int32)": np.int32}
+    return types.get(onnx_type, np.float32)

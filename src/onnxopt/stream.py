@@ -29,6 +29,7 @@ MAX_BATCHES = 64  # NOTE: batches per block at most (one Scan run for small step
 SHUFFLE_BLOCKS = 4
 PREFETCH = 2
 MEMMAP_ROWS = 65536
+CACHE_BYTES = (SHUFFLE_BLOCKS + PREFETCH) * BLOCK_BYTES  # NOTE: what a stream may hold anyway
 
 
 def held_out(k: int, fraction: float) -> bool:
@@ -36,9 +37,10 @@ def held_out(k: int, fraction: float) -> bool:
 
 
 class _Chunks:
-    """A source read as ``n`` chunks by index (``_read(k, rows)``), shuffled and held out by chunk."""
+    """A source read as ``n`` chunks by index (``_read(k, rows)``), shuffled and held out by chunk; a source of at
+    most ``CACHE_BYTES`` is kept after its first reading (``cache``: None until the first chunk says)."""
 
-    batched, n, rows = False, 0, None
+    batched, n, rows, cache = False, 0, None, None
 
     def chunks(self, rng, part, rows: int) -> Iterator[tuple]:
         keys = [k for k in range(self.n) if part is None or held_out(k, part[1]) == (part[0] == "validation")]
@@ -46,13 +48,24 @@ class _Chunks:
             raise DataError(f"X: holding out a fraction {part[1]} of {self.n} chunk(s) leaves no {part[0]} data; "
                             "expected more chunks (row groups, files or batches) or validation data")
         for k in rng.permutation(keys) if rng is not None else keys:
-            yield from self._read(int(k), rows)
+            if self.cache and k in self.cache:
+                yield from self.cache[k]
+                continue
+            parts = []  # NOTE: kept once the chunk is read whole (an epoch may stop half way)
+            for c in self._read(int(k), rows):
+                if self.cache is None:
+                    self.cache = {} if self.rows * max(c[0][:1].nbytes, 1) <= CACHE_BYTES else False
+                if self.cache is not False:
+                    parts.append(c)
+                yield c
+            if self.cache is not False:
+                self.cache[k] = parts
 
 
 class _Batches:
     """The user's batches, each one step, in their order (an iterable iterated again each epoch)."""
 
-    batched, n, rows = True, None, None
+    batched, n, rows, cache = True, None, None, None
 
     def __init__(self, source):
         self.source = source
@@ -77,8 +90,9 @@ class _Memmap(_Chunks):
         self.n = -(-len(X) // MEMMAP_ROWS)
 
     def _read(self, k: int, rows: int):
-        a = k * MEMMAP_ROWS
-        yield tuple(None if v is None else np.array(v[a:a + MEMMAP_ROWS]) for v in self.arrays)
+        for a in range(k * MEMMAP_ROWS, min((k + 1) * MEMMAP_ROWS, self.rows), rows):
+            end = min(a + rows, (k + 1) * MEMMAP_ROWS)
+            yield tuple(None if v is None else np.array(v[a:end]) for v in self.arrays)
 
 
 class _Parquet(_Chunks):
@@ -97,13 +111,18 @@ class _Parquet(_Chunks):
         self.pieces = [g for f in dataset.get_fragments() for g in f.split_by_row_group()]
         self.n, self.rows = len(self.pieces), dataset.count_rows()
         self.weighted = weight is not None
+        types = {dataset.schema.field(c).type for c in features}  # NOTE: numeric columns of one type: to_tensor
+        self.tensor = len(features) > 1 and len(types) == 1 and np.dtype(types.pop().to_pandas_dtype()).kind in "biuf"
 
     def _read(self, k: int, rows: int):
-        for rb in self.pieces[k].to_batches(columns=self.columns, batch_size=rows):
-            cols = [_column(rb.column(i)) for i in range(rb.num_columns)]
-            nf = len(self.features)
-            y = cols[nf][:, 0] if cols[nf].shape[1] == 1 else cols[nf]
-            yield cols[0] if nf == 1 else np.hstack(cols[:nf]), y, cols[nf + 1][:, 0] if self.weighted else None
+        nf = len(self.features)
+        # NOTE: one decoding thread: Arrow's pool would take the cores ORT's threads train on
+        for rb in self.pieces[k].to_batches(columns=self.columns, batch_size=max(rows, 65536), use_threads=False):
+            X = np.asarray(rb.select(self.features).to_tensor(row_major=True)) if self.tensor else None
+            cols = [_column(rb.column(i)) for i in range(0 if X is None else nf, rb.num_columns)]
+            if X is None:
+                X, cols = cols[0] if nf == 1 else np.hstack(cols[:nf]), cols[nf:]
+            yield X, cols[0][:, 0] if cols[0].shape[1] == 1 else cols[0], cols[1][:, 0] if self.weighted else None
 
 
 def _column(col) -> np.ndarray:
@@ -221,18 +240,18 @@ def prefetch(items: Iterator, depth: int = PREFETCH) -> Iterator:
             yield item
     finally:
         stop.set()
-        while thread.is_alive():
+        while thread.is_alive():  # NOTE: a producer blocked on a full queue sees ``stop`` within 0.1 s
             try:
-                q.get(timeout=0.1)
+                q.get_nowait()
             except queue.Empty:
-                pass
-        thread.join()
+                thread.join(0.01)
 
 
 def epoch(run: Callable, stream, batch: int, rng=None, part=None, dtype=None) -> tuple[float, int]:
     """Runs ``run(X, y, sample_weight, batch) -> mean loss`` on each block; returns (mean loss, rows)."""
-    total, n = 0.0, 0
-    for X, y, sw, b in prefetch(blocks(stream, batch, rng, part, dtype)):
+    total, n, items = 0.0, 0, blocks(stream, batch, rng, part, dtype)
+    cached = isinstance(stream.cache, dict) and len(stream.cache) == stream.n  # NOTE: nothing to read: no thread
+    for X, y, sw, b in items if cached else prefetch(items):
         total += run(X, y, sw, b) * len(X)
         n += len(X)
     if not n:

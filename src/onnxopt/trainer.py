@@ -28,7 +28,6 @@ from onnxopt.loss_output import add_loss_output
 from onnxopt.resolve import resolve_loss
 from onnxopt.runner import Runner, default_session_options
 from onnxopt.step import _KEY as STEP_KEY, TrainStep
-from onnxopt.stream import as_stream
 
 __all__ = ["Trainer"]
 
@@ -270,7 +269,7 @@ class Trainer:
     def _fit(self, X, y, sample_weight, until: int, stop: bool = True, columns=(None, None)) -> None:
         if self._predictor is None:
             self._sessions()
-        data = as_stream(X, y, sample_weight, *columns)
+        data = stream.as_stream(X, y, sample_weight, *columns)
         if data is not None:
             train, validate, n_batches = self._stream(data, stop)
         else:
@@ -322,13 +321,14 @@ class Trainer:
             part = ("train", self.validation_fraction) if held else None
             return stream.epoch(lambda *b: block(*b, bar), data, batch, rng, part, self.runner_.x_dtype)[0]
 
-        validate = lambda: stream.epoch(block, data, batch, None, ("validation", self.validation_fraction),  # noqa: E731
-                                        self.runner_.x_dtype)[0]
+        def validate():
+            return stream.epoch(block, data, batch, None, ("validation", self.validation_fraction), self.runner_.x_dtype)[0]
+
         return train, validate if held else None, -(-data.rows // batch) if data.rows and not data.batched else None
 
     def _epoch(self, X, y, sw, batch: int, bar, shuffle: bool | None = None) -> float:
-        n = X.shape[0]
-        if self.shuffle if shuffle is None else shuffle:  # NOTE: one shuffle and one gather per epoch; batches below are views of these
+        n, shuffle = X.shape[0], self.shuffle if shuffle is None else shuffle
+        if shuffle:  # NOTE: one shuffle and one gather per epoch; batches below are views of these
             order = np.random.default_rng([self._seed, self.n_iter_]).permutation(n)
             X = X[order]
             y = y[order] if y is not None else None
