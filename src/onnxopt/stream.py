@@ -110,6 +110,10 @@ class _Parquet(_Chunks):
         self.features, self.columns = features, [*features, target, *([weight] if weight else [])]
         self.pieces = [g for f in dataset.get_fragments() for g in f.split_by_row_group()]
         self.n, self.rows = len(self.pieces), dataset.count_rows()
+        # NOTE: reads of about BLOCK_BYTES; a fragment's head reads one row group (a dataset's, many files)
+        first = self.pieces[0].head(1, columns=self.columns).to_batches() if self.pieces else []
+        width = sum(_column(c).nbytes for c in first[0].columns) if first and first[0].num_rows else 4
+        self.read_rows = max(256, BLOCK_BYTES // width)
         self.weighted = weight is not None
         types = {dataset.schema.field(c).type for c in features}  # NOTE: numeric columns of one type: to_tensor
         self.tensor = len(features) > 1 and len(types) == 1 and np.dtype(types.pop().to_pandas_dtype()).kind in "biuf"
@@ -117,12 +121,12 @@ class _Parquet(_Chunks):
     def _read(self, k: int, rows: int):
         nf = len(self.features)
         # NOTE: one decoding thread: Arrow's pool would take the cores ORT's threads train on
-        for rb in self.pieces[k].to_batches(columns=self.columns, batch_size=max(rows, 65536), use_threads=False):
+        for rb in self.pieces[k].to_batches(columns=self.columns, batch_size=self.read_rows, use_threads=False):
             X = np.asarray(rb.select(self.features).to_tensor(row_major=True)) if self.tensor else None
             cols = [_column(rb.column(i)) for i in range(0 if X is None else nf, rb.num_columns)]
             if X is None:
                 X, cols = cols[0] if nf == 1 else np.hstack(cols[:nf]), cols[nf:]
-            yield X, cols[0][:, 0] if cols[0].shape[1] == 1 else cols[0], cols[1][:, 0] if self.weighted else None
+            yield X, np.array(cols[0][:, 0] if cols[0].shape[1] == 1 else cols[0]), np.array(cols[1][:, 0]) if self.weighted else None
 
 
 def _column(col) -> np.ndarray:
@@ -182,30 +186,39 @@ def blocks(stream, batch: int, rng: np.random.Generator | None = None, part=None
         if group:
             yield (*_cat(group), len(group[0][0]))
         return
-    size, pending, rows = None, [], 0
+    size = buf = None  # NOTE: one buffer of SHUFFLE_BLOCKS blocks and a chunk, reused: rows are copied in once
+    rows = 0
     for chunk in stream.chunks(rng, part, batch * MAX_BATCHES):
-        chunk = cast(chunk)
+        chunk, n = cast(chunk), len(chunk[0])
         if size is None:
             size = batch * max(1, min(MAX_BATCHES, BLOCK_BYTES // (batch * max(chunk[0][:1].nbytes, 1))))
-        pending.append(chunk)
-        rows += len(chunk[0])
-        if rows >= size * (SHUFFLE_BLOCKS if rng is not None else 1):
-            yield from _cut(pending, size, rng, batch, rows // size * size)
-            rows = len(pending[0][0])
+            limit = size * (SHUFFLE_BLOCKS if rng is not None else 1)
+        if buf is None or rows + n > len(buf[0]):
+            old, buf = buf, tuple(None if a is None else np.empty((max(limit, rows) + n, *a.shape[1:]), a.dtype)
+                                  for a in chunk)
+            for a, b in zip(buf, old or ()):
+                if a is not None:
+                    a[:rows] = b[:rows]
+        for a, c in zip(buf, chunk):
+            if a is not None:
+                a[rows:rows + n] = c
+        rows += n
+        if rows >= limit:
+            yield from _cut(buf, rows, size, rng, batch, rows // size * size)
+            rows %= size
     if rows:
-        yield from _cut(pending, size, rng, batch, rows)
+        yield from _cut(buf, rows, size, rng, batch, rows)
 
 
-def _cut(pending: list, size: int, rng, batch: int, cut: int) -> Iterator[tuple]:
-    """Blocks of ``size`` rows from the first ``cut`` rows of ``pending`` (shuffled by ``rng``), each a copy so
-    that the buffer is freed with the last; ``pending`` keeps the rest."""
-    data = _cat(pending)
-    pending.clear()
-    order = rng.permutation(len(data[0])) if rng is not None else None
-    take = lambda a, i, j: None if a is None else (a[order[i:j]] if order is not None else a[i:j])  # noqa: E731
-    pending.append(tuple(take(a, cut, len(data[0])) for a in data))
+def _cut(buf: tuple, rows: int, size: int, rng, batch: int, cut: int) -> Iterator[tuple]:
+    """Blocks (copies) of ``size`` rows from the first ``cut`` of the ``rows`` rows of ``buf``, shuffled by
+    ``rng``; the rows after ``cut`` move to the front of ``buf``."""
+    order = rng.permutation(rows) if rng is not None else np.arange(rows)
     for i in range(0, cut, size):
-        yield (*(take(a, i, min(i + size, cut)) for a in data), batch)
+        yield (*(None if a is None else a[order[i:min(i + size, cut)]] for a in buf), batch)
+    for a in buf:
+        if a is not None:
+            a[:rows - cut] = a[order[cut:rows]]
 
 
 def prefetch(items: Iterator, depth: int = PREFETCH) -> Iterator:
