@@ -24,7 +24,7 @@ from onnxopt.errors import DataError
 
 __all__ = ["as_stream", "blocks", "prefetch", "BLOCK_BYTES", "SHUFFLE_BLOCKS", "PREFETCH", "MEMMAP_ROWS"]
 
-BLOCK_BYTES = 4 << 20  # NOTE: a block of W1's batches (400 B rows) holds ~10k rows, of W3's (3 kB) 10 batches
+BLOCK_BYTES = 2 << 20  # NOTE: a block of W1's batches (400 B rows, batch 15) holds 64 of them, of W3's (3 kB) 5
 MAX_BATCHES = 64  # NOTE: batches per block at most (one Scan run for small steps)
 SHUFFLE_BLOCKS = 4
 PREFETCH = 2
