@@ -89,7 +89,7 @@ def test_cli_two_workers_give_the_weights_of_one(update, tmp_path):
     assert not any(np.array_equal(one[k], _weights(tmp_path / "m.onnx")[k]) for k in one if one[k].size > 1)
 
 
-@pytest.mark.parametrize("fault", ["kill", "hang", "disagree"])
+@pytest.mark.parametrize("fault", ["kill", pytest.param("hang", marks=pytest.mark.slow), "disagree"])
 def test_a_faulty_rank_stops_the_others(fault, tmp_path):
     """Rank 1 is SIGKILLed or hangs in epoch 2, or runs another learning rate: rank 0 stops with a
     DistributedError within the timeout (6 s), and the checkpoint of epoch 1 still loads."""
