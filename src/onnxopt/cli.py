@@ -18,6 +18,7 @@ import numpy as np
 
 from onnxopt import atomic
 from onnxopt.errors import DataError, OnnxoptError
+from onnxopt.stream import as_stream
 
 __all__ = ["main"]
 
@@ -139,7 +140,12 @@ def _compile(args: argparse.Namespace) -> int:
 
 # -- fit --------------------------------------------------------------------------------------------------
 def load_data(path: str, target: str | None) -> tuple[np.ndarray, np.ndarray]:
-    """Reads (X, y) from a .npz (arrays ``X`` and ``target`` or ``y``) or a .csv with a header row."""
+    """Reads (X, y) from a .npz (arrays ``X`` and ``target`` or ``y``) or a .csv with a header row; a Parquet
+    file or folder is returned as ``(path, None)``, streamed by the Trainer (``onnxopt.stream``)."""
+    if os.path.isdir(path) or path.lower().endswith(".parquet"):
+        if target is None:
+            raise _Fail(f"--target: a Parquet DATA needs its target column named, got none for {path!r}")
+        return _check_exists(path, "DATA") if os.path.isfile(path) else path, None
     _check_exists(path, "DATA")
     if _check_ext(path, (".npz", ".csv"), "DATA").lower().endswith(".npz"):
         with np.load(path) as arrays:
@@ -175,18 +181,45 @@ def _fit(args: argparse.Namespace) -> int:
         atomic.check_writable(args.checkpoint, "--checkpoint", folder=True)
     _check_exists(args.model, "MODEL")
     X, y = load_data(args.data, args.target)  # NOTE: the Trainer casts them to the model's dtype
-    if args.checkpoint and os.path.isdir(args.checkpoint) and os.listdir(args.checkpoint):
+    if args.workers < 1:
+        raise _Fail(f"--workers: expected an integer >= 1, got {args.workers}")
+    if args.workers > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(args)
+    rank = int(os.environ.get("RANK", 0))  # NOTE: under a launcher, rank 0 alone prints and writes
+    if args.checkpoint and os.path.isdir(args.checkpoint) and os.listdir(args.checkpoint) and rank == 0:
         print(f"resuming from the checkpoint in {args.checkpoint}")
     est = Trainer(args.model, batch_size=args.batch_size, max_iter=args.epochs, random_state=args.seed,
-                  verbose=0 if args.quiet else 1, checkpoint_dir=args.checkpoint, tol=args.tol, **kwargs)
+                  verbose=0 if args.quiet or rank else 1, checkpoint_dir=args.checkpoint, tol=args.tol, **kwargs)
     t0 = time.perf_counter()
-    est.fit(X, y)
+    features = args.features.split(",") if args.features else None
+    est.fit(X, y, features=features, target=args.target)
     seconds = time.perf_counter() - t0
+    if rank:
+        return 0
     atomic.write(args.out, est.trained_model_.SerializeToString())
     _print_losses(est.train_losses_)
     early = f" (stopped early: improvement below --tol {args.tol})" if est.n_iter_ < args.epochs else ""
-    print(f"trained {est.n_iter_} epochs{early} on {len(X)} samples in {seconds:.2f} s; wrote {args.out}")
+    n = len(X) if y is not None else as_stream(X, features=features, target=args.target).rows
+    print(f"trained {est.n_iter_} epochs{early} on {n} samples in {seconds:.2f} s; wrote {args.out}")
     return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Runs this command again on ``--workers`` local ranks through ``torch.distributed.run`` (gloo)."""
+    import subprocess
+
+    try:
+        import torch.distributed.run  # noqa: F401
+    except ImportError as exc:
+        raise _Fail(f"--workers: {args.workers} ranks need torch (pip install 'onnxopt[torch]'): {exc}") from exc
+    env = {**os.environ, "ONNXOPT_TIMEOUT": str(args.timeout), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.workers}",
+           "--module", "onnxopt", *args.argv]
+    code = subprocess.call(cmd, env=env)
+    if code:
+        print(f"onnxopt fit: error: a rank of {args.workers} failed (exit code {code}); see its message above",
+              file=sys.stderr)
+    return code
 
 
 def _print_losses(losses, us_per_step: list[float] | None = None) -> None:
@@ -356,9 +389,11 @@ def _parser() -> argparse.ArgumentParser:
     comp.set_defaults(func=_compile)
 
     fit = sub.add_parser("fit", formatter_class=fmt, help="train a model on .npz or .csv data",
-                         description="Train MODEL on DATA: a .npz with arrays X and y, or a .csv with a header "
-                                     "(every column but --target is a feature).",
+                         description="Train MODEL on DATA: a .npz with arrays X and y, a .csv with a header "
+                                     "(every column but --target is a feature), or a Parquet file or folder, "
+                                     "streamed with bounded memory (--target, --features name its columns).",
                          epilog="examples:\n  onnxopt fit model.onnx data.npz -o trained.onnx\n"
+                                "  onnxopt fit model.onnx data.parquet --target y --workers 2 -o trained.onnx\n"
                                 "  onnxopt fit model.onnx data.csv --target price --epochs 20 --batch-size 64 \\\n"
                                 "      --update adam --lr 0.001 --checkpoint ckpt/ -o trained.onnx")
     fit.add_argument("model", metavar="MODEL.onnx")
@@ -373,6 +408,12 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--checkpoint", metavar="DIR", default=None,
                      help="save a checkpoint each epoch and resume from it when present")
     fit.add_argument("--quiet", action="store_true", help="no progress bar")
+    fit.add_argument("--features", default=None, help="comma-separated feature columns of a Parquet DATA "
+                     "(default: every column but --target)")
+    fit.add_argument("--workers", type=int, default=1, help="local ranks training data-parallel on "
+                     "torch.distributed (gloo); --batch-size stays the global batch (default: 1)")
+    fit.add_argument("--timeout", type=float, default=300.0,
+                     help="seconds a rank waits for the others before stopping with an error (default: 300)")
     _add_training_options(fit)
     fit.set_defaults(func=_fit)
 
@@ -400,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error, already printed on one line (2)
         return int(exc.code or 0)
     try:
+        args.argv = list(sys.argv[1:] if argv is None else argv)
         return _bench(extra) if args.command == "bench" else args.func(args)
     except (_Fail, OnnxoptError, OSError, ValueError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -31,6 +31,7 @@ from onnxopt.passes.batch import (drop_same_shape_reshapes, hoist, masked_relu_g
 from onnxopt.passes.epoch import CHECK, COUNT, LAST, PREFIX, epoch_model, scannable
 from onnxopt.passes.update import PACK_WEIGHTS, flat_carry
 from onnxopt.step import NEW, STEP, TrainStep
+from onnxopt.stream import as_stream, blocks, prefetch
 
 # NOTE: stock onnxruntime (1.32) removes a Dropout whose mask nothing reads, training_mode true or not: a step
 # whose gradient does not pass the Dropout (weights before it frozen) would train on one mask for ever
@@ -416,7 +417,14 @@ class Runner:
         last step's inputs in the buffer set before the current one, as steps do; a NaN or infinite loss or
         weight replays the batches with ``step`` from the epoch's first weights, so the error raised
         (ConvergenceError, naming the batch) and the weights kept are always ``step``'s.
+
+        ``X`` may also be an iterable of batches ``(X, y[, sample_weight])`` or memmaps (``onnxopt.stream``),
+        read in a background thread, a block of batches ahead.
         """
+        source = as_stream(X, y, sample_weight)
+        if source is not None:
+            items = prefetch(blocks(source, self.batch_size if batch_size is None else batch_size, dtype=self.x_dtype))
+            return np.concatenate([self.epoch(*b[:3], batch_size=b[3]) for b in items])
         X = self._array(X, self.x_dtype, "X")
         n = X.shape[0] if X.ndim else 0
         batch = check_batch_size(self.batch_size if batch_size is None else batch_size, max(n, 1))

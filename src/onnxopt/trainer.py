@@ -19,6 +19,7 @@ import onnx_ir.passes.common as passes
 import onnxruntime as ort
 from tqdm.auto import tqdm
 
+from onnxopt import distributed, stream
 from onnxopt.atomic import check_writable
 from onnxopt.data import check_batch_size, check_features, check_sample_weight, check_target
 from onnxopt.dsl import losses
@@ -118,14 +119,22 @@ class Trainer:
     # -- setup -------------------------------------------------------------------------------------------
     def _make_runner(self) -> Runner:
         batch = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 32
+        if getattr(self, "_parallel", None) is not None:  # NOTE: under torch.distributed (onnxopt.distributed)
+            return distributed.DataParallelRunner(*self._parallel, device=self.device, batch_size=batch)
         return Runner(self.train_step_, device=self.device, batch_size=batch)
 
     def _initialize(self) -> None:
         saved = _saved_step(self.model)
-        self.train_step_ = saved or compile_train_step(
-            self.model, loss=self.loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
-            weights=self.weights, output=self.output, loss_output=self.loss_output, mode=self.mode,
-            frozen=self.frozen)
+        kwargs = dict(loss=self.loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
+                      weights=self.weights, output=self.output, loss_output=self.loss_output, mode=self.mode,
+                      frozen=self.frozen)
+        self._parallel = None
+        if distributed.world()[1] > 1:
+            if saved is not None:
+                raise ModelError("model: data-parallel training compiles its gradient and update steps from the "
+                                 "ONNX model, got a compiled TrainStep; pass the model")
+            self._parallel = distributed.split_step(self.model, **kwargs)
+        self.train_step_ = saved or (self._parallel[0] if self._parallel else compile_train_step(self.model, **kwargs))
         if saved is not None and self.loss is not None and resolve_loss(self.loss).target != saved.target_kind:
             raise ModelError(f"loss: the saved step takes {saved.target_kind!r} targets, loss {self.loss!r} takes "
                              f"{resolve_loss(self.loss).target!r} ones; pass the loss the step was compiled with")
@@ -229,12 +238,15 @@ class Trainer:
         self.classes_ = classes
 
     # -- training ----------------------------------------------------------------------------------------
-    def fit(self, X, y=None, sample_weight=None) -> Trainer:
+    def fit(self, X, y=None, sample_weight=None, features=None, target=None) -> Trainer:
         """Trains up to ``max_iter`` epochs; returns self.
 
         With ``warm_start`` and a fitted estimator, ``max_iter`` more epochs from the current weights (as
         scikit-learn's MLP does); else from the model's weights, or from ``checkpoint_dir``'s last epoch,
-        up to ``max_iter`` epochs in all.
+        up to ``max_iter`` epochs in all. ``X`` may also be streamed (``onnxopt.stream``): an iterable of
+        batches ``(X, y[, sample_weight])``, numpy memmaps, a Parquet file or folder or a
+        ``pyarrow.dataset.Dataset`` whose ``features`` and ``target`` columns are named (``sample_weight`` then
+        names a column); checkpoints are then per epoch, as with arrays.
         """
         if self.warm_start and hasattr(self, "runner_"):
             until = self.n_iter_ + self.max_iter
@@ -242,7 +254,7 @@ class Trainer:
             self._initialize()
             self._resume()
             until = self.max_iter
-        self._fit(X, y, sample_weight, until)
+        self._fit(X, y, sample_weight, until, columns=(features, target))
         return self
 
     def partial_fit(self, X, y=None, sample_weight=None, classes=None) -> Trainer:
@@ -257,22 +269,29 @@ class Trainer:
         self._fit(X, y, sample_weight, self.n_iter_ + 1, stop=False)
         return self
 
-    def _fit(self, X, y, sample_weight, until: int, stop: bool = True) -> None:
+    def _fit(self, X, y, sample_weight, until: int, stop: bool = True, columns=(None, None)) -> None:
         if self._predictor is None:
             self._sessions()
-        X, y, sw = self._validate(X, y, sample_weight, fit=True)
-        val = None
-        if self.early_stopping and stop:
-            X, y, sw, val = self._split(X, y, sw)
-        batch = check_batch_size(self.batch_size, X.shape[0])
-        n_batches = -(-X.shape[0] // batch)
-        bar = tqdm(total=(until - self.n_iter_) * n_batches, unit="step", disable=not self.verbose, leave=True)
+        data = stream.as_stream(X, y, sample_weight, *columns)
+        if data is not None:
+            train, validate, n_batches = self._stream(data, stop)
+        else:
+            X, y, sw = self._validate(X, y, sample_weight, fit=True)
+            val = None
+            if self.early_stopping and stop:
+                X, y, sw, val = self._split(X, y, sw)
+            batch = check_batch_size(self.batch_size, X.shape[0])
+            n_batches = -(-X.shape[0] // batch)
+            train = lambda bar: self._epoch(X, y, sw, batch, bar)  # noqa: E731
+            validate = None if val is None else lambda: self._validation_loss(*val)  # noqa: E731
+        total = None if n_batches is None else (until - self.n_iter_) * n_batches
+        bar = tqdm(total=total, unit="step", disable=not self.verbose, leave=True)
         try:
             while self.n_iter_ < until:
-                self.train_losses_.append(self._epoch(X, y, sw, batch, bar))
+                self.train_losses_.append(train(bar))
                 self.n_iter_ += 1
-                if val is not None:
-                    self.validation_losses_.append(self._validation_loss(*val))
+                if validate is not None:
+                    self.validation_losses_.append(validate())
                 bar.set_postfix(epoch=self.n_iter_, loss=f"{self.train_losses_[-1]:.4g}")
                 done = stop and self._no_improvement()
                 self._save_checkpoint()
@@ -283,13 +302,36 @@ class Trainer:
                           f"completed step ({self.runner_.step_count})", UserWarning, stacklevel=3)
         finally:
             bar.close()
-            if val is not None and self._best[2] is not None:
+            if validate is not None and self._best[2] is not None:
                 self.runner_.set_weights(self._best[2])  # NOTE: scikit-learn keeps the best validation weights
             self.trained_model_ = self.runner_.export()
 
-    def _epoch(self, X, y, sw, batch: int, bar) -> float:
-        n = X.shape[0]
-        if self.shuffle:  # NOTE: one shuffle and one gather per epoch; batches below are views of these
+    def _stream(self, data, stop: bool):
+        """(train one epoch, validation loss or None, batches per epoch or None) on a stream (``onnxopt.stream``)."""
+        if self._kind != "regression" and not hasattr(self, "classes_"):  # NOTE: one pass over the targets
+            self._set_classes(np.unique(np.concatenate([np.unique(c[1]) for c in data.chunks(None, None, 65536)])), "y")
+        batch = check_batch_size(self.batch_size, data.rows or self.batch_size)
+        held = self.early_stopping and stop
+        if held and not 0 < self.validation_fraction < 1:
+            raise DataError(f"validation_fraction: expected a fraction in (0, 1), got {self.validation_fraction!r}")
+
+        def block(X, y, sw, b, bar=None):
+            X, y, sw = self._validate(X, y, sw, fit=True)
+            return self._epoch(X, y, sw, b, bar, shuffle=False) if bar is not None else self._validation_loss(X, y, sw)
+
+        def train(bar):
+            rng = np.random.default_rng([self._seed, self.n_iter_]) if self.shuffle else None
+            part = ("train", self.validation_fraction) if held else None
+            return stream.epoch(lambda *b: block(*b, bar), data, batch, rng, part, self.runner_.x_dtype)[0]
+
+        def validate():
+            return stream.epoch(block, data, batch, None, ("validation", self.validation_fraction), self.runner_.x_dtype)[0]
+
+        return train, validate if held else None, -(-data.rows // batch) if data.rows and not data.batched else None
+
+    def _epoch(self, X, y, sw, batch: int, bar, shuffle: bool | None = None) -> float:
+        n, shuffle = X.shape[0], self.shuffle if shuffle is None else shuffle
+        if shuffle:  # NOTE: one shuffle and one gather per epoch; batches below are views of these
             order = np.random.default_rng([self._seed, self.n_iter_]).permutation(n)
             X = X[order]
             y = y[order] if y is not None else None

@@ -1,0 +1,40 @@
+"""One rank of tests/test_distributed.py: fits a Trainer on a stream of batches, with a fault if asked.
+
+Usage: python distributed_worker.py '<json config>' (RANK, WORLD_SIZE, MASTER_ADDR/PORT set by the test).
+fault: "kill" (rank 1 SIGKILLs itself in epoch 2), "hang" (rank 1 sleeps there), "disagree" (rank 1's learning
+rate differs), None.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import onnxopt
+
+cfg = json.loads(sys.argv[1])
+rank = int(os.environ["RANK"])
+with np.load(cfg["data"]) as data:
+    X, y = data["X"], data["y"]
+epochs = [0]
+
+
+def batches():
+    epochs[0] += 1
+    for i in range(0, len(X), 32):
+        if rank == 1 and epochs[0] == 2 and i == 64:
+            if cfg["fault"] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if cfg["fault"] == "hang":
+                time.sleep(600)
+        yield X[i:i + 32], y[i:i + 32]
+
+
+lr = cfg["lr"] * (2 if rank == 1 and cfg["fault"] == "disagree" else 1)
+est = onnxopt.Trainer(cfg["model"], update=cfg["update"], learning_rate=lr, batch_size=32, max_iter=3, tol=None,
+                      checkpoint_dir=cfg["ckpt"], shuffle=False)
+est.fit(batches)
+print("done", rank, est.n_iter_)

@@ -1,0 +1,123 @@
+"""Data-parallel training (onnxopt.distributed): the split step equals the fused one; 2 gloo ranks equal 1 process."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnx
+import pytest
+
+import onnxopt
+from onnxopt import distributed, dsl
+from onnxopt.cli import main
+from onnxopt.examples import mlp
+
+HERE = os.path.dirname(__file__)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "ONNXOPT_TIMEOUT": "6"}
+CONFIGS = {
+    "sgd": dict(update="sgd", learning_rate=0.05),
+    "nesterov": dict(update=dsl.updates.nesterov(momentum=0.9), penalty="l2", learning_rate=dsl.schedules.invscaling(eta0=0.05)),
+    "adam": dict(update=dsl.updates.adam(clip_norm=1.0), penalty=dsl.penalties.elastic(l1=0.01, l2=0.01),
+                 learning_rate=dsl.schedules.cosine(eta0=0.01, total=30, warmup=3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("weighted", [False, True])
+def test_split_step_trains_like_the_fused_step(name, weighted):
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(96, 5)).astype(np.float32)
+    y, sw = (X.sum(1) + 0.5).astype(np.float32), rng.uniform(0.5, 2, 96).astype(np.float32)
+    model, cfg = mlp([5, 8, 1]), CONFIGS[name]
+    ref = onnxopt.Runner(onnxopt.compile_train_step(model, **cfg))
+    dp = distributed.DataParallelRunner(*distributed.split_step(model, loss="square", **cfg))
+    for i in range(0, 96, 16):
+        w = sw[i:i + 16] if weighted else None
+        assert dp.step(X[i:i + 16], y[i:i + 16], w) == pytest.approx(ref.step(X[i:i + 16], y[i:i + 16], w), rel=1e-5)
+    for k, v in ref.get_weights().items():
+        np.testing.assert_allclose(dp.get_weights()[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    assert dp.step_count == ref.step_count == 6
+    exported = {t.name for t in dp.export().graph.initializer}
+    assert set(ref.get_weights()) <= exported
+
+
+def _weights(path) -> dict:
+    import onnx_ir as ir
+
+    return {t.name: ir.serde.deserialize_tensor(t).numpy() for t in onnx.load(path).graph.initializer}
+
+
+def _cli(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "onnxopt", "fit", *args], capture_output=True, text=True,
+                         timeout=timeout, env=ENV)
+    assert out.returncode == 0, out.stdout[-1000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("update", ["sgd", "adam"])
+def test_cli_two_workers_give_the_weights_of_one(update, tmp_path):
+    """`onnxopt fit model.onnx data.parquet --target y --workers 2` and 1 worker, shuffled, from Parquet; with
+    Adam the 2-rank run stops after 2 epochs and resumes from its checkpoint for the third."""
+    pytest.importorskip("torch.distributed")
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(600, 6)).astype(np.float32)
+    table = pa.table({**{f"f{i}": X[:, i] for i in range(6)}, "y": np.tanh(X @ rng.normal(size=6)).astype(np.float32)})
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=100)
+    onnx.save(mlp([6, 16, 1]), tmp_path / "m.onnx")
+    common = [str(tmp_path / "m.onnx"), str(tmp_path / "d.parquet"), "--target", "y", "--batch-size", "40",
+              "--tol", "none", "--quiet", "--update", update, "--lr", "0.01" if update == "adam" else "0.05"]
+    if update == "adam":
+        common += ["--penalty", "l2:alpha=0.001"]
+    assert main(["fit", *common, "--epochs", "3", "-o", str(tmp_path / "one.onnx")]) == 0
+    if update == "adam":
+        _cli([*common, "--epochs", "2", "--workers", "2", "--checkpoint", str(tmp_path / "ck"), "-o",
+              str(tmp_path / "two.onnx")])
+        assert "resuming" in _cli([*common, "--epochs", "3", "--workers", "2", "--checkpoint", str(tmp_path / "ck"),
+                                   "-o", str(tmp_path / "two.onnx")]).stdout
+    else:
+        assert "trained 3 epochs on 600 samples" in _cli([*common, "--epochs", "3", "--workers", "2", "-o",
+                                                          str(tmp_path / "two.onnx")]).stdout
+    one, two = _weights(tmp_path / "one.onnx"), _weights(tmp_path / "two.onnx")
+    assert one.keys() == two.keys()
+    for k in one:
+        np.testing.assert_allclose(two[k], one[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    assert not any(np.array_equal(one[k], _weights(tmp_path / "m.onnx")[k]) for k in one if one[k].size > 1)
+
+
+@pytest.mark.parametrize("fault", ["kill", pytest.param("hang", marks=pytest.mark.slow), "disagree"])
+def test_a_faulty_rank_stops_the_others(fault, tmp_path):
+    """Rank 1 is SIGKILLed or hangs in epoch 2, or runs another learning rate: rank 0 stops with a
+    DistributedError within the timeout (6 s), and the checkpoint of epoch 1 still loads."""
+    pytest.importorskip("torch.distributed")
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(256, 8)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", X=X, y=X.sum(1).astype(np.float32))
+    onnx.save(mlp([8, 16, 1]), tmp_path / "m.onnx")
+    cfg = json.dumps(dict(data=str(tmp_path / "d.npz"), model=str(tmp_path / "m.onnx"), update="sgd", lr=0.01,
+                          ckpt=str(tmp_path / "ck"), fault=fault))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "distributed_worker.py"), cfg], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**ENV, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in range(2)]
+    try:
+        _, err = procs[0].communicate(timeout=240)
+    finally:
+        for p in procs[1:]:
+            p.kill()
+            p.communicate()
+    assert procs[0].returncode != 0
+    expected = "ranks disagree on the compiled steps" if fault == "disagree" else "another rank died or hung"
+    assert "DistributedError" in err and expected in err, err[-2000:]
+    if fault != "disagree":
+        t0 = time.perf_counter()
+        est = onnxopt.Trainer(str(tmp_path / "m.onnx"), max_iter=1, checkpoint_dir=str(tmp_path / "ck"))
+        est.fit(X, X.sum(1))
+        assert est.n_iter_ == 1 and len(est.train_losses_) == 1 and time.perf_counter() - t0 < 60

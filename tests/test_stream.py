@@ -1,0 +1,207 @@
+"""Streamed training data (onnxopt.stream): every source trains as the same arrays in memory do."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import onnxopt
+from onnxopt import stream
+from onnxopt.errors import DataError
+from onnxopt.examples import mlp
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+N, D = 600, 6
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(N, D)).astype(np.float32)
+    y = (X @ rng.normal(size=D) + 0.1).astype(np.float32)
+    return X, y, rng.uniform(0.5, 2.0, N).astype(np.float32)
+
+
+def _fit(X, y=None, sw=None, **kw):
+    params = dict(batch_size=32, max_iter=2, tol=None, shuffle=False, update="nesterov")
+    params.update({k: kw.pop(k) for k in list(kw) if k in params or k in ("checkpoint_dir", "early_stopping")})
+    return onnxopt.Trainer(mlp([D, 8, 1], seed=1), **params).fit(X, y, sw, **kw)
+
+
+def _same(a, b) -> None:
+    wa, wb = a.runner_.get_weights(), b.runner_.get_weights()
+    for k in wa:
+        np.testing.assert_allclose(wa[k], wb[k], rtol=0, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(a.train_losses_, b.train_losses_, rtol=1e-6)
+
+
+def _table(X, y, sw=None, list_column=False):
+    cols = {"x": pa.array(list(X), pa.list_(pa.float32()))} if list_column else {f"f{i}": X[:, i] for i in range(D)}
+    return pa.table({**cols, "y": y, **({"w": sw} if sw is not None else {})})
+
+
+class _Reiterable:
+    def __init__(self, X, y):
+        self.X, self.y = X, y
+
+    def __iter__(self):
+        return ((self.X[i:i + 32], self.y[i:i + 32]) for i in range(0, len(self.X), 32))
+
+
+@pytest.mark.parametrize("kind", ["callable", "reiterable", "memmap", "parquet", "folder", "dataset", "list_column"])
+def test_stream_sources_train_like_arrays(kind, data, tmp_path):
+    X, y, _ = data
+    if kind == "callable":
+        got = _fit(lambda: ((X[i:i + 32], y[i:i + 32]) for i in range(0, N, 32)))
+    elif kind == "reiterable":
+        got = _fit(_Reiterable(X, y))
+    elif kind == "memmap":
+        np.save(tmp_path / "X.npy", X)
+        np.save(tmp_path / "y.npy", y)
+        got = _fit(np.load(tmp_path / "X.npy", mmap_mode="r"), np.load(tmp_path / "y.npy", mmap_mode="r"))
+    elif kind == "folder":  # NOTE: two files of several row groups each, read in name order
+        os.makedirs(tmp_path / "d")
+        pq.write_table(_table(X[:250], y[:250]), tmp_path / "d" / "a.parquet", row_group_size=100)
+        pq.write_table(_table(X[250:], y[250:]), tmp_path / "d" / "b.parquet", row_group_size=100)
+        got = _fit(str(tmp_path / "d"), target="y")
+    else:
+        pq.write_table(_table(X, y, list_column=kind == "list_column"), tmp_path / "d.parquet", row_group_size=70)
+        import pyarrow.dataset as ds
+
+        source = ds.dataset(tmp_path / "d.parquet") if kind == "dataset" else tmp_path / "d.parquet"
+        got = _fit(source, target="y", features=["x"] if kind == "list_column" else None)
+    _same(_fit(X, y), got)
+
+
+def test_parquet_sample_weight_column_and_features(data, tmp_path):
+    X, y, sw = data
+    table = _table(X, y, sw).append_column("noise", pa.array(np.full(N, 1e6, np.float32)))
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=128)
+    got = _fit(tmp_path / "d.parquet", sw="w", target="y", features=[f"f{i}" for i in range(D)])
+    _same(_fit(X, y, sw), got)
+
+
+def test_stream_errors_name_the_input(data, tmp_path):
+    X, y, _ = data
+    with pytest.raises(DataError, match="one-shot iterator"):
+        _fit((b for b in [(X, y)]))
+    pq.write_table(_table(X, y), tmp_path / "d.parquet")
+    with pytest.raises(DataError, match=r"target: expected column\(s\) of \['f0'.*got \['label'\]"):
+        _fit(tmp_path / "d.parquet", target="label")
+    with pytest.raises(DataError, match="batch 0 of the iterable: expected a tuple"):
+        _fit(lambda: iter([X[:32]]))
+    with pytest.raises(DataError, match="does not exist"):
+        _fit(tmp_path / "missing.parquet", target="y")
+
+
+def test_shuffled_blocks_cover_every_row_once_per_epoch(data, tmp_path):
+    X, y, _ = data
+    pq.write_table(_table(X, y), tmp_path / "d.parquet", row_group_size=50)
+    source = stream.as_stream(tmp_path / "d.parquet", target="y")
+    orders = []
+    for epoch in range(2):
+        parts = list(stream.blocks(source, 16, np.random.default_rng([0, epoch])))
+        assert all(len(p[0]) % 16 == 0 for p in parts[:-1]) and all(p[3] == 16 for p in parts)
+        rows = np.concatenate([p[0] for p in parts])
+        orders.append(np.argsort(rows[:, 0]))
+        np.testing.assert_array_equal(np.sort(rows[:, 0]), np.sort(X[:, 0]))
+    assert not np.array_equal(orders[0], orders[1])
+    plain = np.concatenate([p[0] for p in stream.blocks(source, 16)])
+    np.testing.assert_array_equal(plain, X)  # NOTE: shuffle=False keeps the file's order
+
+
+def test_held_out_chunks_partition_the_data(data, tmp_path):
+    X, y, _ = data
+    pq.write_table(_table(X, y), tmp_path / "d.parquet", row_group_size=60)  # NOTE: 10 row groups
+    source = stream.as_stream(tmp_path / "d.parquet", target="y")
+    train = np.concatenate([p[0] for p in stream.blocks(source, 32, part=("train", 0.2))])
+    val = np.concatenate([p[0] for p in stream.blocks(source, 32, part=("validation", 0.2))])
+    assert (len(train), len(val)) == (480, 120)
+    np.testing.assert_array_equal(np.sort(np.concatenate([train, val])[:, 0]), np.sort(X[:, 0]))
+    est = _fit(tmp_path / "d.parquet", target="y", early_stopping=True, max_iter=3)
+    assert len(est.validation_losses_) == 3 and all(np.isfinite(est.validation_losses_))
+
+
+def test_stream_resume_equals_uninterrupted_run(data, tmp_path):
+    X, y, _ = data
+    pq.write_table(_table(X, y), tmp_path / "d.parquet", row_group_size=64)
+    whole = _fit(tmp_path / "d.parquet", target="y", shuffle=True, max_iter=4)
+    _fit(tmp_path / "d.parquet", target="y", shuffle=True, max_iter=2, checkpoint_dir=tmp_path / "ck")
+    resumed = _fit(tmp_path / "d.parquet", target="y", shuffle=True, max_iter=4, checkpoint_dir=tmp_path / "ck")
+    _same(whole, resumed)
+
+
+def test_stream_classifier_finds_classes_first(tmp_path):
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300, 4)).astype(np.float32)
+    labels = np.array([3, 7, 9])[(X[:, 0] > 0).astype(int) + (X[:, 1] > 1)]
+    est = onnxopt.Trainer(mlp([4, 8, 3]), loss="cross_entropy", batch_size=32, max_iter=2, tol=None)
+    est.fit(lambda: ((X[i:i + 64], labels[i:i + 64]) for i in range(0, 300, 64)))
+    np.testing.assert_array_equal(est.classes_, [3, 7, 9])
+
+
+def test_runner_epoch_takes_batches(data):
+    X, y, _ = data
+    step = onnxopt.compile_train_step(mlp([D, 8, 1], seed=1), update="sgd")
+    a, b = onnxopt.Runner(step), onnxopt.Runner(step)
+    np.testing.assert_array_equal(a.epoch(X, y, batch_size=20),
+                                  b.epoch(lambda: ((X[i:i + 20], y[i:i + 20]) for i in range(0, N, 20))))
+    np.testing.assert_array_equal(a.get_weights()["W0"] if "W0" in a.get_weights() else 0,
+                                  b.get_weights()["W0"] if "W0" in b.get_weights() else 0)
+
+
+def test_prefetch_reads_ahead_and_raises_the_source_error():
+    produced, second = [], threading.Event()
+
+    def items():
+        for k in range(3):
+            produced.append(k)
+            if k == 1:
+                second.set()
+            yield k
+        raise KeyError("bad chunk")
+
+    it = stream.prefetch(items())
+    assert next(it) == 0
+    assert second.wait(10)  # NOTE: the second item is read while the first is in use
+    with pytest.raises(KeyError, match="bad chunk"):
+        list(it)
+
+
+_RSS = """
+import sys, numpy as np, onnxopt, pyarrow.dataset  # NOTE: pyarrow's own code (~50 MB) counted before
+from onnxopt.examples import mlp
+# NOTE: the peak RSS of this process (VmHWM); ru_maxrss would start from the parent's, kept across fork and exec
+peak = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
+est = onnxopt.Trainer(mlp([100, 50, 10, 1]), batch_size=256, max_iter=1, tol=None, warm_start=True)
+est.fit(np.zeros((512, 100), np.float32), np.zeros(512, np.float32))  # NOTE: sessions and imports counted before
+before = peak()
+est.fit(sys.argv[1], target="y")
+print(peak() - before, est.n_iter_)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
+def test_parquet_fit_peak_rss_is_bounded(tmp_path):
+    """A shuffled epoch on 96 MB of features grows the peak RSS by less than 64 MB (measured: 49 MB for 96 MB,
+    52 MB for 192 MB: the blocks, the shuffle buffer and a row group, not the file)."""
+    path, rng = tmp_path / "big.parquet", np.random.default_rng(0)
+    schema = pa.schema([*(pa.field(f"f{i}", pa.float32()) for i in range(100)), pa.field("y", pa.float32())])
+    with pq.ParquetWriter(path, schema) as writer:
+        for _ in range(30):  # NOTE: 30 × 8000 rows × 100 float32 = 96 MB, never all in memory here either
+            X = rng.normal(size=(8000, 100)).astype(np.float32)
+            writer.write_table(_table_wide(X, X[:, 0]), row_group_size=4000)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, "-c", _RSS, str(path)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown, epochs = out.stdout.split()
+    assert int(epochs) == 2 and int(grown) < 64e6, f"peak RSS grew by {int(grown) / 1e6:.1f} MB"
+
+
+def _table_wide(X, y):
+    return pa.table({**{f"f{i}": X[:, i] for i in range(X.shape[1])}, "y": y})
