@@ -301,3 +301,31 @@ def test_missing_gradient_kernel_names_the_forward_node():
         onnxopt.Runner(step)
     assert info.value.nodes == [("Resize", "up")]
     assert "ResizeGrad" in str(info.value) and "'up'" in str(info.value)
+
+
+def test_gradient_sources_train_the_same_and_bad_names_are_refused(rng, tmp_path, monkeypatch):
+    """gradient= picks the backward graph's source on compile_train_step, Trainer and the CLI; onnxopt's rules
+    and (where installed) the builder give the same steps; $ONNXOPT_GRADIENT sets the default."""
+    from onnxopt.cli import main
+    from onnxopt.gradient import gradient_source, has_training_build
+
+    model = mlp([4, 6, 3])
+    X, y = rng.normal(size=(16, 4)).astype(np.float32), rng.integers(0, 3, 16)
+    kwargs = dict(loss="cross_entropy", update="adam", learning_rate=0.01)
+    sources = ["onnxopt", "builder"] if has_training_build() else ["onnxopt"]
+    losses = {}
+    for source in sources:
+        runner = onnxopt.Runner(onnxopt.compile_train_step(model, gradient=source, **kwargs))
+        losses[source] = [runner.step(X[i:i + 8], y[i:i + 8]) for i in (0, 8, 0, 8)]
+        est = onnxopt.Trainer(model, gradient=source, batch_size=8, max_iter=2, shuffle=False, tol=None, **kwargs)
+        assert est.fit(X, y).train_step_ is not None and est.get_params()["gradient"] == source
+    for source in sources[1:]:
+        np.testing.assert_allclose(losses[source], losses["onnxopt"], rtol=1e-5)
+    assert gradient_source(None) == "onnxopt"
+    monkeypatch.setenv("ONNXOPT_GRADIENT", sources[-1])
+    assert gradient_source("auto") == sources[-1]
+    with pytest.raises(ValueError, match=r"gradient: expected one of \['onnxopt', 'builder'\] or 'auto', got 'tape'"):
+        onnxopt.compile_train_step(model, gradient="tape")
+    onnx.save(model, tmp_path / "m.onnx")
+    assert main(["compile", str(tmp_path / "m.onnx"), "--gradient", "onnxopt", "-o", str(tmp_path / "s.onnx")]) == 0
+    assert {n.domain for n in onnx.load(tmp_path / "s.onnx").graph.node} <= {"", "ai.onnx"} or has_training_build()

@@ -64,6 +64,9 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, help="comma-separated initializers to train (default: every weight)")
     p.add_argument("--output", default=None, help="the model output the loss reads when there are several")
     p.add_argument("--frozen", default=None, help="comma-separated initializers never trained")
+    p.add_argument("--gradient", default=None, choices=["onnxopt", "builder", "auto"],
+                   help="where the backward graph comes from: onnxopt's own rules or onnxruntime-training's builder "
+                        "(Python <= 3.12) (default: auto = $ONNXOPT_GRADIENT, else onnxopt; docs/gradients.md)")
     p.add_argument("--mode", default="train", choices=["train", "eval"],
                    help="train: Dropout active, BatchNorm on batch statistics, its running statistics updated; "
                         "eval: both as at inference (default: train)")
@@ -77,7 +80,7 @@ def _training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(loss=loss, update=resolve_update(args.update), penalty=resolve_penalty(args.penalty),
                 learning_rate=resolve_schedule(args.lr),
                 weights=args.weights.split(",") if args.weights else None, output=args.output,
-                loss_output=args.loss_output, mode=args.mode,
+                loss_output=args.loss_output, mode=args.mode, gradient=args.gradient,
                 frozen=args.frozen.split(",") if args.frozen else None)
 
 

@@ -48,21 +48,22 @@ class Trainer:
     ``validation_losses_`` the loss on the held-out fraction when ``early_stopping`` is set (penalty
     excluded); training stops when that loss (or the training loss) has not improved by ``tol`` for more
     than ``n_iter_no_change`` epochs, like scikit-learn's MLP. ``tol=None`` runs all ``max_iter`` epochs.
-    ``mode`` ("train" or "eval") and ``frozen`` go to ``compile_train_step``; in mode "train" the running
+    ``mode`` ("train" or "eval"), ``frozen`` and ``gradient`` go to ``compile_train_step``; in mode "train" the running
     statistics of BatchNormalization are updated and written into ``trained_model_``.
     """
 
     def __init__(self, model, loss="square", update="sgd", penalty=None, learning_rate=1e-2, batch_size=32,
                  max_iter=100, shuffle=True, random_state=0, device="cpu", early_stopping=False,
                  validation_fraction=0.1, n_iter_no_change=5, tol=1e-4, verbose=0, weights=None, output=None,
-                 loss_output=None, warm_start=False, checkpoint_dir=None, allow_nan=False, mode="train", frozen=None):
+                 loss_output=None, warm_start=False, checkpoint_dir=None, allow_nan=False, mode="train", frozen=None,
+                 gradient=None):
         self.model, self.loss, self.update, self.penalty = model, loss, update, penalty
         self.learning_rate, self.batch_size, self.max_iter, self.shuffle = learning_rate, batch_size, max_iter, shuffle
         self.random_state, self.device, self.early_stopping = random_state, device, early_stopping
         self.validation_fraction, self.n_iter_no_change, self.tol = validation_fraction, n_iter_no_change, tol
         self.verbose, self.weights, self.output, self.loss_output = verbose, weights, output, loss_output
         self.warm_start, self.checkpoint_dir, self.allow_nan = warm_start, checkpoint_dir, allow_nan
-        self.mode, self.frozen = mode, frozen
+        self.mode, self.frozen, self.gradient = mode, frozen, gradient
         if checkpoint_dir is not None:  # NOTE: a file or a read-only folder would fail only after the first epoch
             check_writable(checkpoint_dir, "checkpoint_dir", folder=True, error=CheckpointError)
 
@@ -127,7 +128,7 @@ class Trainer:
         saved = _saved_step(self.model)
         kwargs = dict(loss=self.loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
                       weights=self.weights, output=self.output, loss_output=self.loss_output, mode=self.mode,
-                      frozen=self.frozen)
+                      frozen=self.frozen, gradient=getattr(self, "gradient", None))
         self._parallel = None
         if distributed.world()[1] > 1:
             if saved is not None:
