@@ -338,6 +338,8 @@ class Runner:
             sess, raw = self._weighted_bindings()
             raw = raw[self._current]
         X = self._array(X, self.x_dtype, "X")
+        if not X.ndim or not X.shape[0]:  # NOTE: onnxruntime >= 1.20 runs an empty batch (a NaN or 0 loss)
+            raise DataError(f"X: expected at least one sample, got shape {X.shape}")
         self._feed(raw, self._x_name, X)
         keep = [X]  # NOTE: OrtValues over numpy memory do not own it: keep the arrays alive until the run ends
         if self._y_name is not None:

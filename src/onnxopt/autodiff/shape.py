@@ -6,6 +6,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxopt.autodiff.engine import rule
+from onnxopt.errors import ModelError
 from onnxopt.passes.lower import gather_elements_grad, gather_grad, slice_grad
 
 F = "shape/indexing"
@@ -139,7 +140,9 @@ def _tile(c):
 def _pad(c):
     """dx = dy cut where the constant pad added (mode constant)."""
     if c.attr("mode", "constant") != "constant":
-        raise ValueError(f"Pad node {c.node.name!r}: mode {c.attr('mode')!r} has no rule; expected constant")
+        raise ModelError(f"model: Pad node {c.node.name!r} has mode {c.attr('mode')!r} and needs a gradient; "
+                         "its rule handles constant mode only: pad with a constant where a gradient flows (torch: "
+                         "padding_mode='zeros', F.pad(..., mode='constant'))")
     dy = c.go(0)
     pads = c.node.inputs[1]
     axes = c.node.inputs[3] if len(c.node.inputs) > 3 else None
