@@ -40,10 +40,10 @@ def require_training_build(what: str) -> None:
     raise ImportError(
         f"{what}: compiling needs onnxruntime-training's gradient builder, found onnxruntime "
         f"{onnxruntime.__version__} without it (Python {sys.version_info.major}.{sys.version_info.minor}; "
-        "onnxruntime-training has wheels for CPython <= 3.12 only). Compile on Python <= 3.12 "
-        "(pip install onnxopt brings onnxruntime-training-cpu) with compile_train_step(..., portable=True) or "
-        "`onnxopt compile --portable`, save the .onnx and load it here with TrainStep.load, Runner or "
-        "Trainer(step); see docs/portable.md")
+        "onnxruntime-training has wheels for CPython <= 3.12 only). On Python <= 3.12 (pip install -e . in "
+        "the repository brings onnxruntime-training-cpu) run `onnxopt compile MODEL.onnx --portable -o STEP.onnx` "
+        "(or compile_train_step(..., portable=True)), then here `onnxopt fit STEP.onnx DATA ...` (or TrainStep.load, "
+        "Runner, Trainer(step)); see docs/portable.md")
 
 
 def load_model(model: ModelLike, name: str = "model") -> ir.Model:

@@ -24,9 +24,12 @@ from onnxopt.dsl import losses
 from onnxopt.errors import ConvergenceError, DataError, ModelError
 from onnxopt.fuse import compile_train_step
 from onnxopt.loss_output import add_loss_output
+from onnxopt.modelio import load_model
 from onnxopt.resolve import resolve_loss
 from onnxopt.runner import Runner, default_session_options
+from onnxopt.scaling import fit_scaling
 from onnxopt.step import _KEY as STEP_KEY, TrainStep
+from onnxopt.tasks import choose_loss
 
 __all__ = ["Trainer"]
 
@@ -50,17 +53,18 @@ class Trainer:
     statistics of BatchNormalization are updated and written into ``trained_model_``.
     """
 
-    def __init__(self, model, loss="square", update="sgd", penalty=None, learning_rate=1e-2, batch_size=32,
-                 max_iter=100, shuffle=True, random_state=0, device="cpu", early_stopping=False,
-                 validation_fraction=0.1, n_iter_no_change=5, tol=1e-4, verbose=0, weights=None, output=None,
-                 loss_output=None, warm_start=False, checkpoint_dir=None, allow_nan=False, mode="train", frozen=None):
+    def __init__(self, model, loss="auto", update="adam", penalty=None, learning_rate=3e-3, batch_size=32,
+                 max_iter=200, shuffle=True, random_state=0, device="cpu", early_stopping=False,
+                 validation_fraction=0.1, n_iter_no_change=10, tol=1e-4, verbose=0, weights=None, output=None,
+                 loss_output=None, warm_start=False, checkpoint_dir=None, allow_nan=False, mode="train", frozen=None,
+                 scale="auto"):
         self.model, self.loss, self.update, self.penalty = model, loss, update, penalty
         self.learning_rate, self.batch_size, self.max_iter, self.shuffle = learning_rate, batch_size, max_iter, shuffle
         self.random_state, self.device, self.early_stopping = random_state, device, early_stopping
         self.validation_fraction, self.n_iter_no_change, self.tol = validation_fraction, n_iter_no_change, tol
         self.verbose, self.weights, self.output, self.loss_output = verbose, weights, output, loss_output
         self.warm_start, self.checkpoint_dir, self.allow_nan = warm_start, checkpoint_dir, allow_nan
-        self.mode, self.frozen = mode, frozen
+        self.mode, self.frozen, self.scale = mode, frozen, scale
 
     # -- scikit-learn protocol ---------------------------------------------------------------------------
     @classmethod
@@ -89,7 +93,8 @@ class Trainer:
         """What scikit-learn >= 1.6 asks (``is_classifier``, ``check_is_fitted``, ``cross_val_score``)."""
         from sklearn.utils import ClassifierTags, InputTags, RegressorTags, Tags, TargetTags  # NOTE: only it calls this
 
-        classifier = self.loss is not None and _task(resolve_loss(self.loss)) != "regression"
+        loss = choose_loss(self.model, self.loss, self.output)[0] if not isinstance(self.model, TrainStep) else self.loss
+        classifier = loss is not None and _task(resolve_loss(loss)) != "regression"
         return Tags(estimator_type="classifier" if classifier else "regressor",
                     target_tags=TargetTags(required=self.loss is not None),
                     classifier_tags=ClassifierTags() if classifier else None,
@@ -109,7 +114,7 @@ class Trainer:
         if arrays is not None:  # NOTE: sessions are rebuilt from the pickled TrainStep; weights continue bit for bit
             self.runner_ = self._make_runner()
             self.runner_.set_weights(arrays)
-            self._loss = resolve_loss(self.loss) if self.loss is not None else None
+            self._loss = resolve_loss(self._chosen[0]) if self._chosen[0] is not None else None
             self._predictor = self._evaluator = None
 
     # -- setup -------------------------------------------------------------------------------------------
@@ -117,17 +122,29 @@ class Trainer:
         batch = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 32
         return Runner(self.train_step_, device=self.device, batch_size=batch)
 
-    def _initialize(self) -> None:
+    def _initialize(self, X=None, y=None) -> None:
         saved = _saved_step(self.model)
+        self.scaling_, self._unfolded = None, {}
+        if saved is None:
+            self._chosen = loss, output = choose_loss(self.model, self.loss, self.output)
+            model = self.model
+            if X is not None and self.loss_output is None:  # NOTE: partial_fit and own-loss models: as given
+                targets = y if _task(resolve_loss(loss)) == "regression" else None
+                self.scaling_ = fit_scaling(_floats(X), _floats(targets), self.scale)
+                model = load_model(model)
+                self._unfolded = self.scaling_.fold(model)
+        else:
+            self._chosen = ("square" if self.loss == "auto" else self.loss), self.output
+        loss, output = self._chosen
         self.train_step_ = saved or compile_train_step(
-            self.model, loss=self.loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
-            weights=self.weights, output=self.output, loss_output=self.loss_output, mode=self.mode,
+            model, loss=loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
+            weights=self.weights, output=output, loss_output=self.loss_output, mode=self.mode,
             frozen=self.frozen)
-        if saved is not None and self.loss is not None and resolve_loss(self.loss).target != saved.target_kind:
-            raise ModelError(f"loss: the saved step takes {saved.target_kind!r} targets, loss {self.loss!r} takes "
-                             f"{resolve_loss(self.loss).target!r} ones; pass the loss the step was compiled with")
+        if saved is not None and loss is not None and resolve_loss(loss).target != saved.target_kind:
+            raise ModelError(f"loss: the saved step takes {saved.target_kind!r} targets, loss {loss!r} takes "
+                             f"{resolve_loss(loss).target!r} ones; pass the loss the step was compiled with")
         self.runner_ = self._make_runner()
-        self._loss = resolve_loss(self.loss) if self.loss is not None else None
+        self._loss = resolve_loss(loss) if loss is not None else None
         self._kind = _task(self._loss)
         self.n_iter_, self.train_losses_, self.validation_losses_ = 0, [], []
         self._seed = _seed(self.random_state)
@@ -140,8 +157,8 @@ class Trainer:
 
     def _sessions(self) -> None:
         """The prediction session, its weights inputs bound to the runner's OrtValues at each call."""
-        exported = self.runner_.export()
-        out = _prediction_output(exported, self.output, self.loss_output if self._loss is None else None)
+        exported = self._export()
+        out = _prediction_output(exported, self._chosen[1], self.loss_output if self._loss is None else None)
         self._predictor = _session(exported, [out], self._bound(), self.runner_.dtype)
         pred = next(o for o in self._predictor.get_outputs() if o.name == out)
         self._y_shape, self._out = pred.shape, out
@@ -153,9 +170,17 @@ class Trainer:
             if self._loss is None:
                 self._evaluator = _session(exported, [self.loss_output], self._bound(), self.runner_.dtype)
             else:
-                with_loss = add_loss_output(exported, self._loss, output=self.output)
+                with_loss = add_loss_output(exported, self._loss, output=self._chosen[1])
                 self._evaluator = _session(with_loss, ["loss"], self._bound(), self.runner_.dtype)
         return self._evaluator
+
+    def _export(self) -> onnx.ModelProto:
+        """The trained model, reading raw inputs and predicting raw targets when they were scaled."""
+        exported = self.runner_.export()
+        if getattr(self, "scaling_", None) is None:
+            return exported
+        out = _prediction_output(exported, self._chosen[1], self.loss_output if self._loss is None else None)
+        return self.scaling_.wrap(exported, out)
 
     def _bound(self) -> list[str]:
         """The runner's tensors a prediction reads: weights and running statistics (mode="train")."""
@@ -236,7 +261,7 @@ class Trainer:
         if self.warm_start and hasattr(self, "runner_"):
             until = self.n_iter_ + self.max_iter
         else:
-            self._initialize()
+            self._initialize(X, y)
             self._resume()
             until = self.max_iter
         self._fit(X, y, sample_weight, until)
@@ -258,6 +283,10 @@ class Trainer:
         if self._predictor is None:
             self._sessions()
         X, y, sw = self._validate(X, y, sample_weight, fit=True)
+        if self.scaling_ is not None:
+            X, y = self.scaling_.transform(X, y)
+        if self._unfolded and self.n_iter_ == 0:
+            self._start_from_better(X, y, sw)
         val = None
         if self.early_stopping and stop:
             X, y, sw, val = self._split(X, y, sw)
@@ -282,7 +311,17 @@ class Trainer:
             bar.close()
             if val is not None and self._best[2] is not None:
                 self.runner_.set_weights(self._best[2])  # NOTE: scikit-learn keeps the best validation weights
-            self.trained_model_ = self.runner_.export()
+            self.trained_model_ = self._export()
+
+    def _start_from_better(self, X, y, sw) -> None:
+        """Keeps the folded initial weights or the unfolded ones (see onnxopt.scaling), whichever fits X better."""
+        unfolded = {k: v for k, v in self._unfolded.items() if k in self.train_step_.weights}
+        folded = {k: v for k, v in self.runner_.get_weights().items() if k in unfolded}
+        self._unfolded = {}
+        before = self._validation_loss(X, y, sw)
+        self.runner_.set_weights(unfolded)
+        if not self._validation_loss(X, y, sw) < before:  # NOTE: a NaN loss keeps the folded weights too
+            self.runner_.set_weights(folded)
 
     def _epoch(self, X, y, sw, batch: int, bar) -> float:
         n = X.shape[0]
@@ -322,8 +361,7 @@ class Trainer:
         if not 0 < self.validation_fraction < 1 or n_val >= X.shape[0]:
             raise DataError(f"validation_fraction: expected a fraction in (0, 1) leaving training samples, got "
                             f"{self.validation_fraction!r} for {X.shape[0]} samples")
-        order = np.random.default_rng([self._seed, 2**31]).permutation(X.shape[0])
-        val, train = order[:n_val], order[n_val:]
+        train, val = split_index(X.shape[0], self.validation_fraction, self._seed)
         pick = lambda a, i: None if a is None else a[i]  # noqa: E731
         return X[train], pick(y, train), pick(sw, train), (X[val], pick(y, val), pick(sw, val))
 
@@ -407,6 +445,21 @@ def _saved_step(model) -> TrainStep | None:
         if any(p.key == STEP_KEY for p in meta):
             return TrainStep.load(model)
     return None
+
+
+def split_index(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training rows, validation rows) of early stopping: ceil(fraction * n) rows drawn from ``seed``."""
+    order = np.random.default_rng([seed, 2**31]).permutation(n)
+    n_val = int(np.ceil(fraction * n))
+    return order[n_val:], order[:n_val]
+
+
+def _floats(a) -> np.ndarray | None:
+    """``a`` as float64 for its statistics, None when it is not numeric (labels, strings)."""
+    try:
+        return None if a is None else np.asarray(a, np.float64)
+    except (TypeError, ValueError):
+        return None
 
 
 def _task(loss) -> str:

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     images = {}
     workloads_to_plot = workloads
     if importlib.util.find_spec("matplotlib") is None:
-        print("matplotlib is not installed: no plots (pip install 'onnxopt[bench]')", file=sys.stderr)
+        print("matplotlib is not installed: no plots (pip install -e '.[bench]' in the repository)", file=sys.stderr)
         workloads_to_plot = []
     if any(not wl.name.startswith(("batch-", "width-")) for wl in workloads_to_plot):
         report.plot_losses(results, workloads, os.path.join(args.img_dir, "loss_curves.png"))

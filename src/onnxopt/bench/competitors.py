@@ -142,7 +142,7 @@ class TorchEager(Competitor):
         try:
             import torch
         except ImportError as exc:
-            raise Skipped("torch is not installed (pip install 'onnxopt[bench]')") from exc
+            raise Skipped("torch is not installed (pip install -e '.[bench]' in the repository)") from exc
         torch.set_num_threads(wl.threads)
         self.torch = torch
         layers = []
