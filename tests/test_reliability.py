@@ -327,7 +327,7 @@ def test_checkpoint_with_wrong_content_is_refused(tmp_path):
     np.savez(tmp_path / "plain.npz", **arrays)
     with pytest.raises(CheckpointError, match="not an onnxopt checkpoint"):
         checkpoint.load_arrays(tmp_path / "plain.npz")
-    with pytest.raises(CheckpointError, match=r"missing \['u'\], unexpected \['v'\]"):
+    with pytest.raises(CheckpointError, match=r"1 missing, e.g. \['u'\]; 1 unexpected, e.g. \['v'\]"):
         checkpoint.load_arrays(path, {**{k: v for k, v in _expected(arrays).items() if k != "v"},
                                       "u": ((5,), np.float64)})
     with pytest.raises(CheckpointError, match=r"'w' is float32\[3, 4\], expected float32\[4, 3\]"):

@@ -7,17 +7,14 @@ probabilities, a tensor or ZipMap's dictionaries) is a classifier: the loss is
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from onnxopt.errors import ModelError
 
 __all__ = ["choose_loss", "metrics"]
 
-_LABEL_TYPES = (onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.STRING)
+_LABEL_TYPES = (ir.DataType.INT64, ir.DataType.INT32, ir.DataType.STRING)
 CLASSIFIER_LOSS = "cross_entropy:from_logits=false"
 
 
@@ -25,13 +22,11 @@ def choose_loss(model, loss, output: str | None) -> tuple:
     """``(loss, output)`` with ``loss="auto"`` replaced by the loss that fits ``model`` (see the module)."""
     if not (isinstance(loss, str) and loss == "auto"):
         return loss, output
-    if isinstance(model, (str, os.PathLike)):
-        graph = onnx.load(os.fspath(model), load_external_data=False).graph
-    else:
-        graph = (ir.to_proto(model) if isinstance(model, ir.Model) else model).graph
-    labels = [o.name for o in graph.output if o.type.WhichOneof("value") == "tensor_type"
-              and o.type.tensor_type.elem_type in _LABEL_TYPES]
-    others = [o.name for o in graph.output if o.name not in labels]
+    from onnxopt.modelio import load_model  # NOTE: its one-line errors; ZipMap's dictionaries become a tensor
+
+    outputs = load_model(model).graph.outputs
+    labels = [v.name for v in outputs if isinstance(v.type, ir.TensorType) and v.dtype in _LABEL_TYPES]
+    others = [v.name for v in outputs if v.name not in labels]
     if not labels or output in labels:
         return "square", output
     if output is None and len(others) != 1:
