@@ -57,11 +57,21 @@ def test_compile_writes_the_requested_step(files, capsys):
     assert "coef.velocity" in step.state
     assert "wrote s.onnx" in capsys.readouterr().out
     # the same step from the Python API has the same graph
-    same = onnxopt.compile_train_step(linear_regression(2), loss=onnxopt.dsl.losses.huber(delta=0.5),
-                                      update=onnxopt.dsl.updates.nesterov(momentum=0.8),
-                                      penalty=onnxopt.dsl.penalties.elastic(l1=0.1, l2=0.9),
-                                      learning_rate=onnxopt.dsl.schedules.invscaling(eta0=0.05), weights=["coef"])
-    assert [n.op_type for n in step.model.graph.node] == [n.op_type for n in same.model.graph.node]
+    def compiled(momentum):
+        return onnxopt.compile_train_step(linear_regression(2), loss=onnxopt.dsl.losses.huber(delta=0.5),
+                                          update=onnxopt.dsl.updates.nesterov(momentum=momentum),
+                                          penalty=onnxopt.dsl.penalties.elastic(l1=0.1, l2=0.9),
+                                          learning_rate=onnxopt.dsl.schedules.invscaling(eta0=0.05), weights=["coef"])
+
+    def constants(model):
+        """Every node with its attributes (Constant values, hyper-parameters on calls), in functions too, and
+        every initializer (the hyper-parameters the fuser folds into constants)."""
+        graphs = [model.graph.node, *(f.node for f in model.functions)]
+        inits = sorted((i.name, i.SerializeToString()) for i in model.graph.initializer)
+        return [(n.op_type, [a.SerializeToString() for a in n.attribute]) for nodes in graphs for n in nodes], inits
+
+    assert constants(step.model) == constants(compiled(0.8).model)
+    assert constants(step.model) != constants(compiled(0.7).model)  # the comparison sees the momentum
 
 
 def test_compile_float_lr_and_loss_output(files):
