@@ -400,7 +400,7 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--portable", action="store_true",
                       help="standard ONNX only: the step runs on stock onnxruntime (Python 3.13+, onnxruntime-gpu) "
                            "and onnx.reference, see docs/portable.md")
-    _add_training_options(comp)
+    _add_training_options(comp, update="adam", lr=3e-3)  # NOTE: fit's defaults, for a step fit trains elsewhere
     comp.set_defaults(func=_compile)
 
     fit = sub.add_parser("fit", formatter_class=_Formatter, help="train a model on .npz or .csv data",

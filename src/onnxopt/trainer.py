@@ -124,18 +124,16 @@ class Trainer:
 
     def _initialize(self, X=None, y=None) -> None:
         saved = _saved_step(self.model)
-        self.scaling_, self._unfolded = None, {}
-        if saved is None:
-            self._chosen = loss, output = choose_loss(self.model, self.loss, self.output)
-            model = self.model
-            if X is not None and self.loss_output is None:  # NOTE: partial_fit and own-loss models: as given
-                targets = y if _task(resolve_loss(loss)) == "regression" else None
-                self.scaling_ = fit_scaling(_floats(X), _floats(targets), self.scale)
+        self.scaling_, self._unfolded, model = None, {}, self.model
+        # NOTE: a saved step's loss="auto" is read from the inference model it was compiled from
+        inference = model if saved is None else onnx.ModelProto.FromString(saved.inference)
+        self._chosen = loss, output = choose_loss(inference, self.loss, self.output)
+        if X is not None and loss is not None and self.loss_output is None:  # NOTE: not partial_fit, not own losses
+            targets = y if _task(resolve_loss(loss)) == "regression" else None
+            self.scaling_ = fit_scaling(_floats(X), _floats(targets), self.scale)
+            if saved is None:  # NOTE: a compiled step starts from its weights as they are
                 model = load_model(model)
                 self._unfolded = self.scaling_.fold(model)
-        else:
-            self._chosen = ("square" if self.loss == "auto" else self.loss), self.output
-        loss, output = self._chosen
         self.train_step_ = saved or compile_train_step(
             model, loss=loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
             weights=self.weights, output=output, loss_output=self.loss_output, mode=self.mode,
