@@ -229,6 +229,15 @@ def test_compiling_without_the_training_build_is_one_line(files, capsys, monkeyp
         assert err.count("\n") == 1 and "onnxopt compile MODEL.onnx --portable" in err and "onnxopt fit STEP.onnx" in err
 
 
+def test_fit_hints_when_the_loss_stays_at_the_target_variance(files, capsys):
+    base = ["fit", "model.onnx", "data.csv", "--target", "price", "--quiet", "-o", "t.onnx", "--epochs", "3"]
+    assert main([*base, "--lr", "1e-9", "--scale", "never"]) == 0  # no learning: R² of the initial weights
+    out = capsys.readouterr().out
+    assert "hint: the loss stays at the target's variance" in out
+    assert main(base) == 0
+    assert "hint:" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command", ["demo", "compile", "fit", "show"])
 def test_help_shows_every_default(command, capsys):
     parser = __import__("onnxopt.cli", fromlist=["_parser"])._parser()
