@@ -114,6 +114,7 @@ class Trainer:
         if arrays is not None:  # NOTE: sessions are rebuilt from the pickled TrainStep; weights continue bit for bit
             self.runner_ = self._make_runner()
             self.runner_.set_weights(arrays)
+            self._chosen = self.__dict__.get("_chosen", (self.loss, self.output))  # NOTE: pickled before issue 28
             self._loss = resolve_loss(self._chosen[0]) if self._chosen[0] is not None else None
             self._predictor = self._evaluator = None
 
