@@ -22,6 +22,8 @@ def choose_loss(model, loss, output: str | None) -> tuple:
     """``(loss, output)`` with ``loss="auto"`` replaced by the loss that fits ``model`` (see the module)."""
     if not (isinstance(loss, str) and loss == "auto"):
         return loss, output
+    if model is None:  # NOTE: a step saved without its inference model
+        return "square", output
     from onnxopt.modelio import load_model  # NOTE: its one-line errors; ZipMap's dictionaries become a tensor
 
     outputs = load_model(model).graph.outputs

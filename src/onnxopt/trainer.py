@@ -127,7 +127,7 @@ class Trainer:
         saved = _saved_step(self.model)
         self.scaling_, self._unfolded, model = None, {}, self.model
         # NOTE: a saved step's loss="auto" is read from the inference model it was compiled from
-        inference = model if saved is None else onnx.ModelProto.FromString(saved.inference)
+        inference = model if saved is None else onnx.ModelProto.FromString(saved.inference) if saved.inference else None
         self._chosen = loss, output = choose_loss(inference, self.loss, self.output)
         if X is not None and loss is not None and self.loss_output is None:  # NOTE: not partial_fit, not own losses
             targets = y if _task(resolve_loss(loss)) == "regression" else None
