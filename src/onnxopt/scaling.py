@@ -90,7 +90,8 @@ def fit_scaling(X: np.ndarray, y: np.ndarray | None, scale) -> Scaling:
         raise ValueError(f"scale: expected True, False or 'auto', got {scale!r}")
 
     def stats(a):
-        if a is None or not scale or a.dtype.kind != "f" or a.ndim not in (1, 2):
+        if a is None or not scale or a.dtype.kind != "f" or a.ndim not in (1, 2) or not np.isfinite(a).all() \
+                or not a.size:  # NOTE: the data checks that follow name what is wrong with such data
             return None
         a = np.asarray(a, np.float64).reshape(len(a), -1)
         mean, std = a.mean(axis=0), a.std(axis=0)
