@@ -133,5 +133,5 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: the portable comparison runs in other processes, after the suite, and adds a section to its page
     from onnxopt.bench.portable import bench_section
 
-    bench_section(argv, args.portable_python)
+    bench_section([*(sys.argv[1:] if argv is None else argv), "--out-md", args.out_md], args.portable_python)
     return 0
