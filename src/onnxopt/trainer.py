@@ -129,7 +129,7 @@ class Trainer:
         # NOTE: a saved step's loss="auto" is read from the inference model it was compiled from
         inference = model if saved is None else onnx.ModelProto.FromString(saved.inference) if saved.inference else None
         self._chosen = loss, output = choose_loss(inference, self.loss, self.output)
-        if X is not None and loss is not None and self.loss_output is None:  # NOTE: not partial_fit, not own losses
+        if X is not None and self.scale is not False and loss is not None and self.loss_output is None:
             targets = y if _task(resolve_loss(loss)) == "regression" else None
             self.scaling_ = fit_scaling(_floats(X), _floats(targets), self.scale)
             if saved is None:  # NOTE: a compiled step starts from its weights as they are
@@ -457,7 +457,7 @@ def _floats(a) -> np.ndarray | None:
     """``a`` as float64 for its statistics, None when it is not numeric (labels, strings)."""
     try:
         return None if a is None else np.asarray(a, np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # NOTE: the data checks that follow say what is wrong
         return None
 
 
