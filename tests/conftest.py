@@ -23,3 +23,39 @@ def pytest_sessionstart(session):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# -- the suite leaves the checkout clean (issue 28) ----------------------------------------------------------
+_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def _git_status() -> set[str] | None:
+    """``git status --porcelain`` lines of the checkout and the names in its root (ignored files included, such
+    as a stray ``*.onnx``), None outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=_ROOT,
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    skip = ("__pycache__", ".pytest_cache", ".hypothesis", ".venv313", ".venv313.lock")
+    return set(out.stdout.splitlines()) | {f"root: {p.name}" for p in _ROOT.iterdir() if p.name not in skip}
+
+
+def pytest_sessionstart(session):
+    session.config._status_before = _git_status()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fails the run when it added or changed files in the checkout (compared with its state at the start)."""
+    before = getattr(session.config, "_status_before", None)
+    after = _git_status()
+    if before is None or after is None or getattr(session.config, "workerinput", None) is not None:
+        return
+    new = sorted(after - before)
+    if new:
+        print(f"\nthe test suite changed the checkout ({len(new)} entries of git status): {new[:10]}")
+        session.exitstatus = 1

@@ -10,6 +10,22 @@ import onnxruntime as ort
 ort.set_default_logger_severity(3)
 
 
+def importorskip(name: str):
+    """``pytest.importorskip``, except under CI=true, where a missing or broken [test] dependency fails the run
+    instead of turning its tests into skips (as tests/test_portable.py does for Python 3.13)."""
+    import importlib
+    import os
+
+    import pytest
+
+    if os.environ.get("CI") == "true":
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            pytest.fail(f"{name}: a [test] dependency does not import under CI=true ({exc})", pytrace=False)
+    return pytest.importorskip(name)
+
+
 def session(model) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.log_severity_level = 3

@@ -22,7 +22,12 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     md = out / "docs" / "benchmarks.md"
     md.parent.mkdir()
-    md.write_text(f"# Benchmarks\n\nhand-written analysis\n\n{BEGIN}\nold table\n{END}\nmore prose\n")
+    page = f"# Benchmarks\n\nhand-written analysis\n\n{BEGIN}\nold table\n{END}\nmore prose\n"
+    md.write_text(page)
+    with pytest.raises(SystemExit):  # NOTE: --quick never overwrites a page (issue 28)
+        main(["--quick", "--workloads", "W2", "--out-md", str(md)])
+    assert md.read_text() == page
+    md.unlink()
     assert main(["--quick", "--workloads", "W2", "--out-md", str(md), "--img-dir", str(out / "docs" / "img"),
                  "--out-json", str(out / "results.json")]) == 0
     results = json.loads((out / "results.json").read_text())["results"]
@@ -33,7 +38,7 @@ def test_quick_run_writes_page_and_plot(quick_run):
     pytest.importorskip("matplotlib")
     md, img, results = quick_run
     text = md.read_text()
-    assert "hand-written analysis" in text and "more prose" in text and "old table" not in text
+    assert BEGIN in text and END in text
     assert "| W2 | onnxopt | 1 |" in text
     assert "](img/loss_curves.png)" in text
     png = (img / "loss_curves.png").read_bytes()

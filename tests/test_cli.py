@@ -57,11 +57,21 @@ def test_compile_writes_the_requested_step(files, capsys):
     assert "coef.velocity" in step.state
     assert "wrote s.onnx" in capsys.readouterr().out
     # the same step from the Python API has the same graph
-    same = onnxopt.compile_train_step(linear_regression(2), loss=onnxopt.dsl.losses.huber(delta=0.5),
-                                      update=onnxopt.dsl.updates.nesterov(momentum=0.8),
-                                      penalty=onnxopt.dsl.penalties.elastic(l1=0.1, l2=0.9),
-                                      learning_rate=onnxopt.dsl.schedules.invscaling(eta0=0.05), weights=["coef"])
-    assert [n.op_type for n in step.model.graph.node] == [n.op_type for n in same.model.graph.node]
+    def compiled(momentum):
+        return onnxopt.compile_train_step(linear_regression(2), loss=onnxopt.dsl.losses.huber(delta=0.5),
+                                          update=onnxopt.dsl.updates.nesterov(momentum=momentum),
+                                          penalty=onnxopt.dsl.penalties.elastic(l1=0.1, l2=0.9),
+                                          learning_rate=onnxopt.dsl.schedules.invscaling(eta0=0.05), weights=["coef"])
+
+    def constants(model):
+        """Every node with its attributes (Constant values, hyper-parameters on calls), in functions too, and
+        every initializer (the hyper-parameters the fuser folds into constants)."""
+        graphs = [model.graph.node, *(f.node for f in model.functions)]
+        inits = sorted((i.name, i.SerializeToString()) for i in model.graph.initializer)
+        return [(n.op_type, [a.SerializeToString() for a in n.attribute]) for nodes in graphs for n in nodes], inits
+
+    assert constants(step.model) == constants(compiled(0.8).model)
+    assert constants(step.model) != constants(compiled(0.7).model)  # the comparison sees the momentum
 
 
 def test_compile_float_lr_and_loss_output(files):
@@ -82,7 +92,7 @@ def test_fit_learns_and_resumes_from_checkpoint(files, capsys, data):
     assert "resuming" not in first and "trained 2 epochs" in first
     assert main([*base, "--epochs", "20"]) == 0
     second = capsys.readouterr().out
-    assert "resuming from the checkpoint in ckpt" in second and "trained 20 epochs" in second
+    assert "resuming from the checkpoint in ckpt after epoch 2" in second and "trained 18 epochs" in second
     rows = [line.split() for line in second.splitlines() if line.strip()[:1].isdigit()]
     assert [int(r[0]) for r in rows] == list(range(1, 21))  # the resumed run keeps the first epochs' losses
     assert float(rows[-1][1]) < float(rows[0][1]) / 100
@@ -175,12 +185,68 @@ def test_help_has_examples(command, capsys):
     ["show", "model.onnx"],
     ["frobnicate"],
     ["compile", "model.onnx", "-o", "s.onnx", "--unknown"],
+    ["fit", "model.onnx", "header.csv", "--target", "price", "-o", "t.onnx"],
+    ["fit", "model.onnx", "ragged.csv", "--target", "price", "-o", "t.onnx"],
+    ["fit", "model.onnx", "data.csv", "--target", "price", "--validation-fraction", "1", "-o", "t.onnx"],
 ])
 def test_wrong_arguments_exit_2_with_one_line(files, capsys, argv):
     open("data.txt", "w").write("1 2 3\n")
+    open("header.csv", "w").write("a,b,price\n")
+    open("ragged.csv", "w").write("a,b,price\n1,2,3\n4,5,6,7\n")
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and "error" in captured.err and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize("name,message", [("header.csv", "has a header and no data rows"),
+                                          ("ragged.csv", "line 3 has 4 values, expected 3 like the header")])
+def test_csv_errors_name_the_row_and_counts(files, capsys, name, message):
+    open("header.csv", "w").write("a,b,price\n")
+    open("ragged.csv", "w").write("a,b,price\n1,2,3\n4,5,6,7\n")
+    assert main(["fit", "model.onnx", name, "--target", "price", "-o", "t.onnx"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_checkpoint_of_another_model_and_nothing_to_resume_are_one_line(files, capsys):
+    base = ["fit", "model.onnx", "data.csv", "--target", "price", "--quiet", "-o", "t.onnx", "--checkpoint", "ckpt"]
+    assert main([*base, "--epochs", "2", "--tol", "none"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--epochs", "2"]) == 2  # the checkpoint holds every epoch asked for
+    err = capsys.readouterr()
+    assert err.err.count("\n") == 1 and "nothing left to train" in err.err and "trained" not in err.out
+    assert main([*base, "--epochs", "4", "--update", "sgd"]) == 2  # adam's moments are not in an sgd step
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "another model or optimizer" in err and "new --checkpoint folder" in err
+
+
+def test_compiling_without_the_training_build_is_one_line(files, capsys, monkeypatch):
+    import onnxruntime.capi._pybind_state as C
+
+    monkeypatch.delattr(C, "OrtModuleGraphBuilder")  # NOTE: what Python 3.13's stock onnxruntime lacks
+    for argv in (["fit", "model.onnx", "data.csv", "--target", "price", "-o", "t.onnx"], ["demo", "--no-sklearn"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "onnxopt compile MODEL.onnx --portable" in err and "onnxopt fit STEP.onnx" in err
+
+
+def test_fit_hints_when_the_loss_stays_at_the_target_variance(files, capsys):
+    base = ["fit", "model.onnx", "data.csv", "--target", "price", "--quiet", "-o", "t.onnx", "--epochs", "3"]
+    assert main([*base, "--lr", "1e-9", "--scale", "never"]) == 0  # no learning: R² of the initial weights
+    out = capsys.readouterr().out
+    assert "hint: the loss stays at the target's variance" in out
+    assert main(base) == 0
+    assert "hint:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["demo", "compile", "fit", "show"])
+def test_help_shows_every_default(command, capsys):
+    parser = __import__("onnxopt.cli", fromlist=["_parser"])._parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    assert main([command, "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for action in sub._actions:
+        if action.option_strings and action.default not in (None, False, "==SUPPRESS=="):
+            assert f"(default: {action.default})" in text, action.option_strings
 
 
 def test_python_dash_m_help():

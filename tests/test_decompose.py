@@ -14,7 +14,8 @@ import pytest
 
 import onnxopt
 
-torch = pytest.importorskip("torch")
+from helpers import importorskip  # NOTE: fails instead of skipping under CI=true
+torch = importorskip("torch")
 nn = torch.nn
 
 ACTIVATIONS = {

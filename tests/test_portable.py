@@ -230,7 +230,7 @@ def test_trainer_takes_a_saved_step(tmp_path, rng):
     step.save(tmp_path / "step.onnx")
     X, y = rng.normal(size=(40, 4)).astype(np.float32), rng.integers(0, 3, 40)
     fit = dict(batch_size=8, max_iter=3, tol=None)
-    compiled = onnxopt.Trainer(model, loss="cross_entropy", update="adam", **fit).fit(X, y)
+    compiled = onnxopt.Trainer(model, loss="cross_entropy", update="adam", learning_rate=1e-2, **fit).fit(X, y)
     saved = onnxopt.Trainer(str(tmp_path / "step.onnx"), loss="cross_entropy", **fit).fit(X, y)
     np.testing.assert_allclose(saved.train_losses_, compiled.train_losses_, rtol=1e-6)
     assert saved.predict(X).shape == (40,)

@@ -28,7 +28,8 @@ def data(rng):
 
 
 def _trainer(**kw):
-    params = {"learning_rate": 0.05, "batch_size": 8, "max_iter": 3, "tol": None, **kw}
+    params = {"learning_rate": 0.05, "batch_size": 8, "max_iter": 3, "tol": None, "update": "sgd", "scale": False,
+              "n_iter_no_change": 5, **kw}  # NOTE: the defaults before issue 28, which these tests were written for
     return onnxopt.Trainer(params.pop("model", None) or mlp([4, 8, 1]), **params)
 
 
@@ -58,7 +59,7 @@ def test_get_set_params_clone_and_repr(data):
     with pytest.raises(ValueError, match="unknown parameter 'learning_rat'"):
         est.set_params(learning_rat=0.1)
     assert repr(est) == ("Trainer(update='nesterov:momentum=0.9', learning_rate=0.1, batch_size=8, max_iter=2, "
-                         "tol=None)")
+                         "n_iter_no_change=5, tol=None, scale=False)")
     assert repr(onnxopt.Trainer(mlp([4, 1]))) == "Trainer()"
     est.fit(X, y)
     check_is_fitted(est)
@@ -448,9 +449,11 @@ def test_a_batch_of_zero_sample_weight_is_skipped():
 
     rng = np.random.default_rng(3)
     X, y = rng.normal(size=(4, 2)), rng.normal(size=4)
-    est = onnxopt.Trainer(linear_regression(2, dtype=np.float64), batch_size=2, max_iter=1, shuffle=False, tol=None)
+    est = onnxopt.Trainer(linear_regression(2, dtype=np.float64), batch_size=2, max_iter=1, shuffle=False, tol=None,
+                          scale=False)  # NOTE: the statistics of X and X[2:] differ
     est.fit(X, y, sample_weight=[0.0, 0.0, 1.0, 1.0])
-    ref = onnxopt.Trainer(linear_regression(2, dtype=np.float64), batch_size=2, max_iter=1, shuffle=False, tol=None)
+    ref = onnxopt.Trainer(linear_regression(2, dtype=np.float64), batch_size=2, max_iter=1, shuffle=False, tol=None,
+                          scale=False)  # NOTE: the statistics of X and X[2:] differ
     ref.fit(X[2:], y[2:])
     assert est.runner_.step_count == 1
     for name, value in ref.runner_.get_weights().items():

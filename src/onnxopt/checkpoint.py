@@ -99,8 +99,9 @@ def _check(path: str, arrays: Mapping[str, np.ndarray], expected: Mapping[str, t
     missing = [n for n in expected if n not in arrays]
     extra = [n for n in arrays if n not in expected]
     if missing or extra:
-        raise CheckpointError(f"checkpoint: {path!r} holds {sorted(arrays)}, expected {sorted(expected)} "
-                              f"(missing {missing}, unexpected {extra}); nothing was loaded")
+        raise CheckpointError(f"checkpoint: {path!r} holds the {len(arrays)} arrays of another model or optimizer, "
+                              f"expected {len(expected)} ({len(missing)} missing, e.g. {missing[:2]}; {len(extra)} "
+                              f"unexpected, e.g. {extra[:2]}); nothing was loaded")
     for name, (shape, dtype) in expected.items():
         got = arrays[name]
         if tuple(got.shape) != tuple(shape) or got.dtype != np.dtype(dtype):

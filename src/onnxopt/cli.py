@@ -53,14 +53,20 @@ def _tol(text: str) -> float | None:
 _tol.__name__ = "tolerance"  # NOTE: argparse names the type in its error: "invalid tolerance value"
 
 
-def _add_training_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--loss", default="square", help=f"loss, {SPEC_HELP} (default: square)")
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Examples kept as written, every option's default shown."""
+
+
+def _add_training_options(p: argparse.ArgumentParser, update: str = "sgd", lr: float = 1e-2) -> None:
+    p.add_argument("--loss", default="auto",
+                   help=f"loss, {SPEC_HELP}; auto: cross_entropy on the probabilities of a classifier converted by "
+                        "skl2onnx (an int64 or string label output), else square")
     p.add_argument("--loss-output", default=None,
                    help="the model already outputs its loss under this name (no --loss then)")
-    p.add_argument("--update", default="sgd", help=f"update rule, {SPEC_HELP} (default: sgd)")
+    p.add_argument("--update", default=update, help=f"update rule, {SPEC_HELP}")
     p.add_argument("--penalty", default=None, help=f"penalty on every trained weight, {SPEC_HELP}")
-    p.add_argument("--lr", type=_learning_rate, default=1e-2,
-                   help="learning rate: a float or a schedule spec, e.g. invscaling:eta0=0.05 (default: 0.01)")
+    p.add_argument("--lr", type=_learning_rate, default=lr,
+                   help="learning rate: a float or a schedule spec, e.g. invscaling:eta0=0.05")
     p.add_argument("--weights", default=None, help="comma-separated initializers to train (default: every weight)")
     p.add_argument("--output", default=None, help="the model output the loss reads when there are several")
     p.add_argument("--frozen", default=None, help="comma-separated initializers never trained")
@@ -69,14 +75,14 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
                         "(Python <= 3.12) (default: auto = $ONNXOPT_GRADIENT, else onnxopt; docs/gradients.md)")
     p.add_argument("--mode", default="train", choices=["train", "eval"],
                    help="train: Dropout active, BatchNorm on batch statistics, its running statistics updated; "
-                        "eval: both as at inference (default: train)")
+                        "eval: both as at inference")
 
 
 def _training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
 
     # NOTE: resolving here rejects a bad spec before any model is loaded.
-    loss = None if args.loss_output else resolve_loss(args.loss)
+    loss = None if args.loss_output else args.loss if args.loss == "auto" else resolve_loss(args.loss)
     return dict(loss=loss, update=resolve_update(args.update), penalty=resolve_penalty(args.penalty),
                 learning_rate=resolve_schedule(args.lr),
                 weights=args.weights.split(",") if args.weights else None, output=args.output,
@@ -127,10 +133,12 @@ def _compile(args: argparse.Namespace) -> int:
     if args.model is None or args.out is None:
         raise _Fail("compile: MODEL and -o STEP.onnx are required (or --list)")
     from onnxopt import compile_train_step
+    from onnxopt.tasks import choose_loss
 
     kwargs = _training_kwargs(args)
     atomic.check_writable(_check_ext(args.out, (".onnx",), "-o"), "-o")
-    step = compile_train_step(_check_exists(args.model, "MODEL"), portable=args.portable, **kwargs)
+    kwargs["loss"], kwargs["output"] = choose_loss(_check_exists(args.model, "MODEL"), kwargs["loss"], args.output)
+    step = compile_train_step(args.model, portable=args.portable, **kwargs)
     step.save(args.out)
     print(f"wrote {args.out}: {len(step.model.graph.node)} nodes ({_regions(step.model)})")
     print(f"inputs:  {', '.join(i.name for i in step.model.graph.input)}")
@@ -165,18 +173,23 @@ def load_data(path: str, target: str | None) -> tuple[np.ndarray, np.ndarray]:
     header = [h.strip() for h in rows[0]]
     if target not in header:
         raise DataError(f"--target: expected one of the columns {header} of {path!r}, got {target!r}")
+    lines = [(i, row) for i, row in enumerate(rows[1:], start=2) if row]
+    if not lines:
+        raise DataError(f"DATA: {path!r} has a header and no data rows, expected at least one row of numbers")
+    for i, row in lines:
+        if len(row) != len(header):
+            raise DataError(f"DATA: {path!r} line {i} has {len(row)} values, expected {len(header)} like the header")
     try:
-        table = np.array([[float(v) for v in row] for row in rows[1:] if row], dtype=np.float64)
+        table = np.array([[float(v) for v in row] for _, row in lines], dtype=np.float64)
     except ValueError as exc:
         raise DataError(f"DATA: {path!r} must hold numbers below its header ({exc})") from exc
-    if table.ndim != 2 or table.shape[1] != len(header):
-        raise DataError(f"DATA: {path!r}: expected {len(header)} values per row like the header")
     col = header.index(target)
     return np.delete(table, col, axis=1), table[:, col]
 
 
 def _fit(args: argparse.Namespace) -> int:
     from onnxopt import Trainer
+    from onnxopt.errors import CheckpointError
 
     kwargs = _training_kwargs(args)
     atomic.check_writable(_check_ext(args.out, (".onnx",), "-o"), "-o")
@@ -186,26 +199,39 @@ def _fit(args: argparse.Namespace) -> int:
     X, y = load_data(args.data, args.target)  # NOTE: the Trainer casts them to the model's dtype
     if args.workers < 1:
         raise _Fail(f"--workers: expected an integer >= 1, got {args.workers}")
+    if not 0 <= args.validation_fraction < 1:
+        raise _Fail(f"--validation-fraction: expected a fraction in [0, 1), got {args.validation_fraction}")
+    done = _checkpoint_epochs(args.checkpoint)
+    if done is not None and done >= args.epochs:
+        raise _Fail(f"--checkpoint: {args.checkpoint!r} already holds {done} epochs, --epochs is {args.epochs}: "
+                    "nothing left to train; raise --epochs or use a new --checkpoint folder")
     if args.workers > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args)
     rank = int(os.environ.get("RANK", 0))  # NOTE: under a launcher, rank 0 alone prints and writes
-    if args.checkpoint and os.path.isdir(args.checkpoint) and os.listdir(args.checkpoint) and rank == 0:
-        print(f"resuming from the checkpoint in {args.checkpoint}")
+    if done is not None and rank == 0:
+        print(f"resuming from the checkpoint in {args.checkpoint} after epoch {done}")
     est = Trainer(args.model, batch_size=args.batch_size, max_iter=args.epochs, random_state=args.seed,
-                  verbose=0 if args.quiet or rank else 1, checkpoint_dir=args.checkpoint, tol=args.tol, **kwargs)
+                  verbose=0 if args.quiet or rank else 1, checkpoint_dir=args.checkpoint, tol=args.tol,
+                  early_stopping=args.validation_fraction > 0, validation_fraction=args.validation_fraction or 0.1,
+                  scale={"auto": "auto", "always": True, "never": False}[args.scale], **kwargs)
     t0 = time.perf_counter()
     features = args.features.split(",") if args.features else None
-    est.fit(X, y, features=features, target=args.target)
+    try:
+        est.fit(X, y, features=features, target=args.target)
+    except CheckpointError as exc:
+        raise _Fail(f"{exc}; use a new --checkpoint folder for another model or optimizer") from exc
     seconds = time.perf_counter() - t0
     if rank:
         return 0
     atomic.write(args.out, est.trained_model_.SerializeToString())
     _print_losses(est.train_losses_)
     early = f" (stopped early: improvement below --tol {args.tol})" if est.n_iter_ < args.epochs else ""
+    trained = est.n_iter_ - (done or 0)
     n = len(X) if y is not None else as_stream(X, features=features, target=args.target).rows
-    print(f"trained {est.n_iter_} epochs{early} on {n} samples in {seconds:.2f} s; wrote {args.out}")
+    print(f"trained {trained} epochs{early} on {n} samples in {seconds:.2f} s; wrote {args.out}")
+    if y is not None:  # NOTE: a streamed source is read once more by its metrics: not here
+        _print_metrics(est, X, y, args.validation_fraction)
     return 0
-
 
 def _launch(args: argparse.Namespace) -> int:
     """Runs this command again on ``--workers`` local ranks through ``torch.distributed.run`` (gloo)."""
@@ -224,6 +250,28 @@ def _launch(args: argparse.Namespace) -> int:
               file=sys.stderr)
     return code
 
+def _checkpoint_epochs(folder: str | None) -> int | None:
+    """The epochs a Trainer checkpoint in ``folder`` holds, None without one."""
+    from onnxopt.checkpoint import load_arrays
+
+    path = os.path.join(folder, "trainer.ckpt") if folder else None
+    return load_arrays(path)[1].get("n_iter") if path and os.path.isfile(path) else None
+
+
+def _print_metrics(est, X: np.ndarray, y: np.ndarray, fraction: float) -> None:
+    """The final line: the loss's metric on the training and validation rows (the Trainer's split)."""
+    from onnxopt.tasks import metrics
+    from onnxopt.trainer import split_index
+
+    train, val = split_index(len(X), fraction, est._seed) if fraction > 0 else (np.arange(len(X)), None)
+    parts = {"train": metrics(est, X[train], y[train])}
+    if val is not None:
+        parts["validation"] = metrics(est, X[val], y[val])
+    print("; ".join(f"{name} ({len(rows)} rows): " + ", ".join(f"{k} {v:.4f}" for k, v in m.items())
+                    for (name, m), rows in zip(parts.items(), (train, val))))
+    if est._kind == "regression" and parts["train"]["R²"] < 0.05:
+        print("hint: the loss stays at the target's variance (R² near 0: the model predicts the mean); try "
+              "--scale always, another --lr (e.g. 10 times larger or smaller) or more --epochs")
 
 def _print_losses(losses, us_per_step: list[float] | None = None) -> None:
     print(f"{'epoch':>5}  {'mean loss':>12}" + (f"  {'us/step':>8}" if us_per_step else ""))
@@ -344,15 +392,14 @@ def _demo(args: argparse.Namespace) -> int:
     if _plot({"onnxopt": list(est.train_losses_)}, png, "onnxopt demo: MLP, Nesterov, invscaling"):
         written.append(png)
     else:
-        print("matplotlib is not installed: no loss.png (pip install 'onnxopt[demo]')")
+        print("matplotlib is not installed: no loss.png (pip install -e '.[demo]' in the repository)")
     print("wrote " + ", ".join(written))
     return 0
 
 
 # -- parser -----------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    fmt = argparse.RawDescriptionHelpFormatter
-    parser = _Parser(prog="onnxopt", formatter_class=fmt,
+    parser = _Parser(prog="onnxopt", formatter_class=_Formatter,
                      description="Compile the training step of an ONNX model into one ONNX graph and run it.",
                      epilog="examples:\n  onnxopt demo\n  onnxopt compile --list\n"
                             "  onnxopt compile model.onnx --update nesterov:momentum=0.9 -o step.onnx\n"
@@ -360,38 +407,38 @@ def _parser() -> argparse.ArgumentParser:
                             "  onnxopt show step.onnx -o step.svg\n  onnxopt bench --help")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", formatter_class=fmt, help="train an MLP on synthetic data (no download)",
+    demo = sub.add_parser("demo", formatter_class=_Formatter, help="train an MLP on synthetic data (no download)",
                           description="Synthetic regression, an MLP (skl2onnx-converted when installed), "
                                       "trained with Nesterov momentum and an invscaling learning rate.",
                           epilog="examples:\n  onnxopt demo\n  onnxopt demo --epochs 5 --out /tmp/demo --quiet")
     demo.add_argument("--out", default="onnxopt-demo", help="folder for train_step.onnx, trained.onnx, loss.png")
-    demo.add_argument("--epochs", type=int, default=15)
-    demo.add_argument("--samples", type=int, default=750)
-    demo.add_argument("--features", type=int, default=100)
-    demo.add_argument("--batch-size", type=int, default=15)
+    demo.add_argument("--epochs", type=int, default=15, help="epochs (no early stopping)")
+    demo.add_argument("--samples", type=int, default=750, help="training samples (and a quarter more held out)")
+    demo.add_argument("--features", type=int, default=100, help="features per sample")
+    demo.add_argument("--batch-size", type=int, default=15, help="samples per step")
     demo.add_argument("--lr", type=float, default=5e-3, help="eta0 of the invscaling schedule")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="random state of the data, weights and shuffling")
     demo.add_argument("--no-sklearn", action="store_true", help="use onnxopt.examples.mlp even if skl2onnx exists")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(func=_demo)
 
-    comp = sub.add_parser("compile", formatter_class=fmt, help="compile a model's training step into STEP.onnx",
+    comp = sub.add_parser("compile", formatter_class=_Formatter, help="compile a model's training step into STEP.onnx",
                           description="Fuse forward, loss, backward, penalty, schedule and update into one graph.",
                           epilog="examples:\n  onnxopt compile --list\n"
                                  "  onnxopt compile model.onnx --loss square --update nesterov:momentum=0.9 \\\n"
                                  "      --penalty elastic:l1=0.1,l2=0.9 --lr invscaling:eta0=0.05 -o step.onnx\n"
                                  "  onnxopt compile with_loss.onnx --loss-output loss --update adam -o step.onnx\n"
                                  "  onnxopt compile model.onnx --loss cross_entropy --portable -o step.onnx")
-    comp.add_argument("model", nargs="?", metavar="MODEL.onnx")
+    comp.add_argument("model", nargs="?", metavar="MODEL.onnx", help="the inference model")
     comp.add_argument("-o", dest="out", metavar="STEP.onnx", help="where to write the fused step")
     comp.add_argument("--list", action="store_true", help="list losses, updates, penalties, schedules and exit")
     comp.add_argument("--portable", action="store_true",
                       help="standard ONNX only: the step runs on stock onnxruntime (Python 3.13+, onnxruntime-gpu) "
                            "and onnx.reference, see docs/portable.md")
-    _add_training_options(comp)
+    _add_training_options(comp, update="adam", lr=3e-3)  # NOTE: fit's defaults, for a step fit trains elsewhere
     comp.set_defaults(func=_compile)
 
-    fit = sub.add_parser("fit", formatter_class=fmt, help="train a model on .npz or .csv data",
+    fit = sub.add_parser("fit", formatter_class=_Formatter, help="train a model on .npz or .csv data",
                          description="Train MODEL on DATA: a .npz with arrays X and y, a .csv with a header "
                                      "(every column but --target is a feature), or a Parquet file or folder, "
                                      "streamed with bounded memory (--target, --features name its columns).",
@@ -399,15 +446,22 @@ def _parser() -> argparse.ArgumentParser:
                                 "  onnxopt fit model.onnx data.parquet --target y --workers 2 -o trained.onnx\n"
                                 "  onnxopt fit model.onnx data.csv --target price --epochs 20 --batch-size 64 \\\n"
                                 "      --update adam --lr 0.001 --checkpoint ckpt/ -o trained.onnx")
-    fit.add_argument("model", metavar="MODEL.onnx")
-    fit.add_argument("data", metavar="DATA")
+    fit.add_argument("model", metavar="MODEL.onnx", help="the inference model, or a step from onnxopt compile")
+    fit.add_argument("data", metavar="DATA", help=".npz (arrays X and y) or .csv with a header row")
     fit.add_argument("--target", default=None, help="target column (.csv, required) or array (.npz, default y)")
     fit.add_argument("-o", dest="out", required=True, metavar="TRAINED.onnx", help="where to write the model")
-    fit.add_argument("--epochs", type=int, default=10)
-    fit.add_argument("--batch-size", type=int, default=32)
-    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--epochs", type=int, default=200, help="epochs at most (scikit-learn's MLP max_iter)")
+    fit.add_argument("--batch-size", type=int, default=32, help="samples per step")
+    fit.add_argument("--seed", type=int, default=0, help="random state of the shuffling and the validation split")
     fit.add_argument("--tol", type=_tol, default=1e-4,
-                     help="stop when the loss improves by less than this for 5 epochs; 'none' runs every epoch")
+                     help="stop when the validation loss (the training loss with --validation-fraction 0) improves "
+                          "by less than this for 10 epochs; 'none' runs every epoch")
+    fit.add_argument("--validation-fraction", type=float, default=0.1,
+                     help="rows held out (as scikit-learn's early stopping): training stops on their loss and keeps "
+                          "the best weights; 0 trains on every row")
+    fit.add_argument("--scale", choices=["auto", "always", "never"], default="auto",
+                     help="standardize inputs and regression targets for training (the written model reads raw "
+                          "ones); auto: when a column's std is outside [0.1, 10] or its mean beyond ±3")
     fit.add_argument("--checkpoint", metavar="DIR", default=None,
                      help="save a checkpoint each epoch and resume from it when present")
     fit.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -417,17 +471,17 @@ def _parser() -> argparse.ArgumentParser:
                      "torch.distributed (gloo); --batch-size stays the global batch (default: 1)")
     fit.add_argument("--timeout", type=float, default=300.0,
                      help="seconds a rank waits for the others before stopping with an error (default: 300)")
-    _add_training_options(fit)
+    _add_training_options(fit, update="adam", lr=3e-3)
     fit.set_defaults(func=_fit)
 
-    show = sub.add_parser("show", formatter_class=fmt, help="draw a (fused) graph, regions coloured",
+    show = sub.add_parser("show", formatter_class=_Formatter, help="draw a (fused) graph, regions coloured",
                           description="Draw MODEL with graphviz `dot`, nodes coloured by region (forward, loss, "
                                       "backward, penalty, schedule, update); without dot, write the .dot text.",
                           epilog="examples:\n  onnxopt show step.onnx -o step.svg\n"
                                  "  onnxopt show model.onnx -o model.dot")
-    show.add_argument("model", metavar="MODEL.onnx")
+    show.add_argument("model", metavar="MODEL.onnx", help="any ONNX model, a fused step included")
     show.add_argument("-o", dest="out", required=True, metavar="OUT", help="OUT.svg, OUT.png or OUT.dot")
-    show.add_argument("--title", default=None)
+    show.add_argument("--title", default=None, help="title drawn above the graph")
     show.set_defaults(func=_show)
 
     sub.add_parser("bench", add_help=False, help="run the benchmark suite (`onnxopt bench --help` for its options)")
@@ -446,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.argv = list(sys.argv[1:] if argv is None else argv)
         return _bench(extra) if args.command == "bench" else args.func(args)
+    except ImportError as exc:  # NOTE: compiling on Python 3.13+ (no onnxruntime-training), missing extras
+        print(f"onnxopt {args.command}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
     except (_Fail, OnnxoptError, OSError, ValueError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"onnxopt {args.command}: error: {message}", file=sys.stderr)

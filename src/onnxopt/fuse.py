@@ -44,7 +44,8 @@ def select_output(m: ir.Model, output: str | None, what: str = "output") -> ir.V
     outs = {v.name: v for v in m.graph.outputs}
     if output is None:
         if len(outs) != 1:
-            raise ModelError(f"{what}: the model has {len(outs)} outputs {list(outs)}; pass {what}= to pick one")
+            raise ModelError(f"{what}: the model has {len(outs)} outputs {list(outs)}; pass {what}= (on the command "
+                             f"line --{what.replace('_', '-')} NAME) to pick one")
         return m.graph.outputs[0]
     if output not in outs:
         raise ModelError(f"{what}: {output!r} is not an output of the model (expected one of {list(outs)})")

@@ -1,4 +1,4 @@
-"""``OnnxModule``: an ONNX graph as a ``torch.nn.Module`` (optional: ``pip install onnxopt[torch]``).
+"""``OnnxModule``: an ONNX graph as a ``torch.nn.Module`` (optional: ``pip install -e '.[torch]'`` in the repository).
 
 Its parameters are the ONNX weights; forward and backward run in onnxruntime through ``ForwardBackward``
 inside a ``torch.autograd.Function``. Tensors cross with DLPack: on CPU neither the inputs, the weights,
@@ -13,7 +13,7 @@ import onnx_ir as ir
 try:
     import torch
 except ImportError as exc:  # NOTE: torch is the optional extra onnxopt[torch]
-    raise ImportError(f"onnxopt.torch needs torch ({exc}); install it: pip install 'onnxopt[torch]'") from exc
+    raise ImportError(f"onnxopt.torch needs torch ({exc}); install it: pip install -e '.[torch]' in the repository") from exc
 
 from onnxopt.errors import DataError
 from onnxopt.forward_backward import ForwardBackward

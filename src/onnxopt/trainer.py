@@ -26,9 +26,12 @@ from onnxopt.dsl import losses
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError, ModelError
 from onnxopt.fuse import compile_train_step
 from onnxopt.loss_output import add_loss_output
+from onnxopt.modelio import load_model
 from onnxopt.resolve import resolve_loss
 from onnxopt.runner import Runner, default_session_options
+from onnxopt.scaling import fit_scaling
 from onnxopt.step import _KEY as STEP_KEY, TrainStep
+from onnxopt.tasks import choose_loss
 
 __all__ = ["Trainer"]
 
@@ -52,18 +55,18 @@ class Trainer:
     statistics of BatchNormalization are updated and written into ``trained_model_``.
     """
 
-    def __init__(self, model, loss="square", update="sgd", penalty=None, learning_rate=1e-2, batch_size=32,
-                 max_iter=100, shuffle=True, random_state=0, device="cpu", early_stopping=False,
-                 validation_fraction=0.1, n_iter_no_change=5, tol=1e-4, verbose=0, weights=None, output=None,
+    def __init__(self, model, loss="auto", update="adam", penalty=None, learning_rate=3e-3, batch_size=32,
+                 max_iter=200, shuffle=True, random_state=0, device="cpu", early_stopping=False,
+                 validation_fraction=0.1, n_iter_no_change=10, tol=1e-4, verbose=0, weights=None, output=None,
                  loss_output=None, warm_start=False, checkpoint_dir=None, allow_nan=False, mode="train", frozen=None,
-                 gradient=None):
+                 scale="auto", gradient=None):
         self.model, self.loss, self.update, self.penalty = model, loss, update, penalty
         self.learning_rate, self.batch_size, self.max_iter, self.shuffle = learning_rate, batch_size, max_iter, shuffle
         self.random_state, self.device, self.early_stopping = random_state, device, early_stopping
         self.validation_fraction, self.n_iter_no_change, self.tol = validation_fraction, n_iter_no_change, tol
         self.verbose, self.weights, self.output, self.loss_output = verbose, weights, output, loss_output
         self.warm_start, self.checkpoint_dir, self.allow_nan = warm_start, checkpoint_dir, allow_nan
-        self.mode, self.frozen, self.gradient = mode, frozen, gradient
+        self.mode, self.frozen, self.scale, self.gradient = mode, frozen, scale, gradient
         if checkpoint_dir is not None:  # NOTE: a file or a read-only folder would fail only after the first epoch
             check_writable(checkpoint_dir, "checkpoint_dir", folder=True, error=CheckpointError)
 
@@ -94,7 +97,8 @@ class Trainer:
         """What scikit-learn >= 1.6 asks (``is_classifier``, ``check_is_fitted``, ``cross_val_score``)."""
         from sklearn.utils import ClassifierTags, InputTags, RegressorTags, Tags, TargetTags  # NOTE: only it calls this
 
-        classifier = self.loss is not None and _task(resolve_loss(self.loss)) != "regression"
+        loss = choose_loss(self.model, self.loss, self.output)[0] if not isinstance(self.model, TrainStep) else self.loss
+        classifier = loss is not None and _task(resolve_loss(loss)) != "regression"
         return Tags(estimator_type="classifier" if classifier else "regressor",
                     target_tags=TargetTags(required=self.loss is not None),
                     classifier_tags=ClassifierTags() if classifier else None,
@@ -114,7 +118,8 @@ class Trainer:
         if arrays is not None:  # NOTE: sessions are rebuilt from the pickled TrainStep; weights continue bit for bit
             self.runner_ = self._make_runner()
             self.runner_.set_weights(arrays)
-            self._loss = resolve_loss(self.loss) if self.loss is not None else None
+            self._chosen = self.__dict__.get("_chosen", (self.loss, self.output))  # NOTE: pickled before issue 28
+            self._loss = resolve_loss(self._chosen[0]) if self._chosen[0] is not None else None
             self._predictor = self._evaluator = None
 
     # -- setup -------------------------------------------------------------------------------------------
@@ -124,23 +129,33 @@ class Trainer:
             return distributed.DataParallelRunner(*self._parallel, device=self.device, batch_size=batch)
         return Runner(self.train_step_, device=self.device, batch_size=batch)
 
-    def _initialize(self) -> None:
+    def _initialize(self, X=None, y=None) -> None:
         saved = _saved_step(self.model)
-        kwargs = dict(loss=self.loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
-                      weights=self.weights, output=self.output, loss_output=self.loss_output, mode=self.mode,
+        self.scaling_, self._unfolded, model = None, {}, self.model
+        # NOTE: a saved step's loss="auto" is read from the inference model it was compiled from
+        inference = model if saved is None else onnx.ModelProto.FromString(saved.inference) if saved.inference else None
+        self._chosen = loss, output = choose_loss(inference, self.loss, self.output)
+        if X is not None and _in_memory(X) and self.scale is not False and loss is not None and self.loss_output is None:
+            targets = y if _task(resolve_loss(loss)) == "regression" else None
+            self.scaling_ = fit_scaling(_floats(X), _floats(targets), self.scale)
+            if saved is None:  # NOTE: a compiled step starts from its weights as they are
+                model = load_model(model)
+                self._unfolded = self.scaling_.fold(model)
+        kwargs = dict(loss=loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
+                      weights=self.weights, output=output, loss_output=self.loss_output, mode=self.mode,
                       frozen=self.frozen, gradient=getattr(self, "gradient", None))
         self._parallel = None
         if distributed.world()[1] > 1:
             if saved is not None:
                 raise ModelError("model: data-parallel training compiles its gradient and update steps from the "
                                  "ONNX model, got a compiled TrainStep; pass the model")
-            self._parallel = distributed.split_step(self.model, **kwargs)
-        self.train_step_ = saved or (self._parallel[0] if self._parallel else compile_train_step(self.model, **kwargs))
-        if saved is not None and self.loss is not None and resolve_loss(self.loss).target != saved.target_kind:
-            raise ModelError(f"loss: the saved step takes {saved.target_kind!r} targets, loss {self.loss!r} takes "
-                             f"{resolve_loss(self.loss).target!r} ones; pass the loss the step was compiled with")
+            self._parallel = distributed.split_step(model, **kwargs)
+        self.train_step_ = saved or (self._parallel[0] if self._parallel else compile_train_step(model, **kwargs))
+        if saved is not None and loss is not None and resolve_loss(loss).target != saved.target_kind:
+            raise ModelError(f"loss: the saved step takes {saved.target_kind!r} targets, loss {loss!r} takes "
+                             f"{resolve_loss(loss).target!r} ones; pass the loss the step was compiled with")
         self.runner_ = self._make_runner()
-        self._loss = resolve_loss(self.loss) if self.loss is not None else None
+        self._loss = resolve_loss(loss) if loss is not None else None
         self._kind = _task(self._loss)
         self.n_iter_, self.train_losses_, self.validation_losses_ = 0, [], []
         self._seed = _seed(self.random_state)
@@ -153,8 +168,8 @@ class Trainer:
 
     def _sessions(self) -> None:
         """The prediction session, its weights inputs bound to the runner's OrtValues at each call."""
-        exported = self.runner_.export()
-        out = _prediction_output(exported, self.output, self.loss_output if self._loss is None else None)
+        exported = self._export()
+        out = _prediction_output(exported, self._chosen[1], self.loss_output if self._loss is None else None)
         self._predictor = _session(exported, [out], self._bound(), self.runner_.dtype)
         pred = next(o for o in self._predictor.get_outputs() if o.name == out)
         self._y_shape, self._out = pred.shape, out
@@ -166,9 +181,17 @@ class Trainer:
             if self._loss is None:
                 self._evaluator = _session(exported, [self.loss_output], self._bound(), self.runner_.dtype)
             else:
-                with_loss = add_loss_output(exported, self._loss, output=self.output)
+                with_loss = add_loss_output(exported, self._loss, output=self._chosen[1])
                 self._evaluator = _session(with_loss, ["loss"], self._bound(), self.runner_.dtype)
         return self._evaluator
+
+    def _export(self) -> onnx.ModelProto:
+        """The trained model, reading raw inputs and predicting raw targets when they were scaled."""
+        exported = self.runner_.export()
+        if getattr(self, "scaling_", None) is None:
+            return exported
+        out = _prediction_output(exported, self._chosen[1], self.loss_output if self._loss is None else None)
+        return self.scaling_.wrap(exported, out)
 
     def _bound(self) -> list[str]:
         """The runner's tensors a prediction reads: weights and running statistics (mode="train")."""
@@ -252,7 +275,7 @@ class Trainer:
         if self.warm_start and hasattr(self, "runner_"):
             until = self.n_iter_ + self.max_iter
         else:
-            self._initialize()
+            self._initialize(X, y)
             self._resume()
             until = self.max_iter
         self._fit(X, y, sample_weight, until, columns=(features, target))
@@ -278,6 +301,10 @@ class Trainer:
             train, validate, n_batches = self._stream(data, stop)
         else:
             X, y, sw = self._validate(X, y, sample_weight, fit=True)
+            if self.scaling_ is not None:
+                X, y = self.scaling_.transform(X, y)
+            if self._unfolded and self.n_iter_ == 0:
+                self._start_from_better(X, y, sw)
             val = None
             if self.early_stopping and stop:
                 X, y, sw, val = self._split(X, y, sw)
@@ -305,7 +332,17 @@ class Trainer:
             bar.close()
             if validate is not None and self._best[2] is not None:
                 self.runner_.set_weights(self._best[2])  # NOTE: scikit-learn keeps the best validation weights
-            self.trained_model_ = self.runner_.export()
+            self.trained_model_ = self._export()
+
+    def _start_from_better(self, X, y, sw) -> None:
+        """Keeps the folded initial weights or the unfolded ones (see onnxopt.scaling), whichever fits X better."""
+        unfolded = {k: v for k, v in self._unfolded.items() if k in self.train_step_.weights}
+        folded = {k: v for k, v in self.runner_.get_weights().items() if k in unfolded}
+        self._unfolded = {}
+        before = self._validation_loss(X, y, sw)
+        self.runner_.set_weights(unfolded)
+        if not self._validation_loss(X, y, sw) < before:  # NOTE: a NaN loss keeps the folded weights too
+            self.runner_.set_weights(folded)
 
     def _stream(self, data, stop: bool):
         """(train one epoch, validation loss or None, batches per epoch or None) on a stream (``onnxopt.stream``)."""
@@ -368,8 +405,7 @@ class Trainer:
         if not 0 < self.validation_fraction < 1 or n_val >= X.shape[0]:
             raise DataError(f"validation_fraction: expected a fraction in (0, 1) leaving training samples, got "
                             f"{self.validation_fraction!r} for {X.shape[0]} samples")
-        order = np.random.default_rng([self._seed, 2**31]).permutation(X.shape[0])
-        val, train = order[:n_val], order[n_val:]
+        train, val = split_index(X.shape[0], self.validation_fraction, self._seed)
         pick = lambda a, i: None if a is None else a[i]  # noqa: E731
         return X[train], pick(y, train), pick(sw, train), (X[val], pick(y, val), pick(sw, val))
 
@@ -443,6 +479,11 @@ class Trainer:
         return float(np.mean(1 - res / np.where(tot == 0, 1, tot)))
 
 
+def _in_memory(X) -> bool:
+    """Arrays and data frames (scaled, when the model does not scale); streamed sources are not."""
+    return hasattr(X, "__array__") and not isinstance(X, np.memmap)
+
+
 def _saved_step(model) -> TrainStep | None:
     """``model`` as a compiled step: a TrainStep, or the path of one saved by ``TrainStep.save``; else None."""
     if isinstance(model, TrainStep):
@@ -453,6 +494,21 @@ def _saved_step(model) -> TrainStep | None:
         if any(p.key == STEP_KEY for p in meta):
             return TrainStep.load(model)
     return None
+
+
+def split_index(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training rows, validation rows) of early stopping: ceil(fraction * n) rows drawn from ``seed``."""
+    order = np.random.default_rng([seed, 2**31]).permutation(n)
+    n_val = int(np.ceil(fraction * n))
+    return order[n_val:], order[:n_val]
+
+
+def _floats(a) -> np.ndarray | None:
+    """``a`` as float64 for its statistics, None when it is not numeric (labels, strings)."""
+    try:
+        return None if a is None else np.asarray(a, np.float64)
+    except (TypeError, ValueError, OverflowError):  # NOTE: the data checks that follow say what is wrong
+        return None
 
 
 def _task(loss) -> str:

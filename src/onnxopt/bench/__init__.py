@@ -20,6 +20,7 @@ __all__ = ["main", "run"]
 
 DEFAULT_WORKLOADS = ["W1", "W2", "W3", "W4", "W5", "scaling"]
 COMPUTE_BOUND = ("W3", "W5")
+QUICK = "--quick, not a measurement"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,9 +33,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="2 rounds of 1 epoch, no torch.compile: a smoke run, not a measurement")
     p.add_argument("--rounds", type=int, default=None,
                    help="timed blocks per competitor (default 5; 2 with --quick)")
-    p.add_argument("--out-md", default="docs/benchmarks.md",
-                   help="markdown page; only the part between its bench markers is replaced")
-    p.add_argument("--img-dir", default="docs/img", help="folder for loss_curves.png and scaling.png")
+    p.add_argument("--out-md", default=None,
+                   help="markdown page (default onnxopt-bench/benchmarks.md, with --quick benchmarks-quick.md); only "
+                        "the part between its bench markers is replaced; --quick never replaces a page of "
+                        "measurements (docs/benchmarks.md is the repository's)")
+    p.add_argument("--img-dir", default=os.path.join("onnxopt-bench", "img"),
+                   help="folder for loss_curves.png and scaling.png (docs/img is the repository's)")
     p.add_argument("--out-json", default=None, help="also write every result (with loss curves) as JSON")
     p.add_argument("--portable-python", default=None, metavar="PATH",
                    help="Python 3.13+ with stock onnxruntime (default: .venv313/bin/python): time the portable "
@@ -87,8 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     from onnxopt.bench.workloads import select
     from onnxopt.errors import DataError
 
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3)  # NOTE: generate_artifacts logs ~140 INFO lines otherwise
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.out_md is None:
+        args.out_md = os.path.join("onnxopt-bench", "benchmarks-quick.md" if args.quick else "benchmarks.md")
+    if args.quick and os.path.exists(args.out_md) and QUICK not in open(args.out_md, encoding="utf-8").read():
+        parser.error(f"--out-md: --quick never overwrites a page of measurements, and {args.out_md!r} is one; "
+                     "pass another --out-md")
     try:
         workloads = select(args.workloads)
     except DataError as exc:
@@ -98,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results, memory = run(workloads, quick=args.quick, rounds=args.rounds)
     os.makedirs(args.img_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out_md)), exist_ok=True)
     images = {}
     workloads_to_plot = workloads
     if importlib.util.find_spec("matplotlib") is None:
-        print("matplotlib is not installed: no plots (pip install 'onnxopt[bench]')", file=sys.stderr)
+        print("matplotlib is not installed: no plots (pip install -e '.[bench]' in the repository)", file=sys.stderr)
         workloads_to_plot = []
     if any(not wl.name.startswith(("batch-", "width-")) for wl in workloads_to_plot):
         report.plot_losses(results, workloads, os.path.join(args.img_dir, "loss_curves.png"))
@@ -112,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     rel = os.path.relpath(args.img_dir, os.path.dirname(os.path.abspath(args.out_md)))
     images = {alt: os.path.join(rel, name).replace(os.sep, "/") for alt, name in images.items()}
     rounds = args.rounds or (2 if args.quick else 5)
-    header = (f"Run of {datetime.date.today()} ({'--quick, not a measurement' if args.quick else 'full'}, "
+    header = (f"Run of {datetime.date.today()} ({QUICK if args.quick else 'full'}, "
               f"{rounds} rounds, {time.perf_counter() - t0:.0f} s): {report.machine()}.")
     report.write_markdown(args.out_md, report.tables(results, workloads, memory, images, header))
     if args.out_json:
@@ -121,5 +134,5 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: the portable comparison runs in other processes, after the suite, and adds a section to its page
     from onnxopt.bench.portable import bench_section
 
-    bench_section(argv, args.portable_python)
+    bench_section([*(sys.argv[1:] if argv is None else argv), "--out-md", args.out_md], args.portable_python)
     return 0

@@ -7,8 +7,10 @@ or which cannot express the workload, raises ``Skipped`` with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import sys
 import tempfile
 import time
 
@@ -20,6 +22,20 @@ from onnxopt.bench.workloads import Workload
 
 __all__ = ["Skipped", "Competitor", "COMPETITORS", "REFERENCES", "ort_kernels", "runner_model"]
 
+
+
+@contextlib.contextmanager
+def _stderr_to_devnull():
+    """File descriptor 2 points to /dev/null inside the block (C++ logging writes there, not to sys.stderr)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 class Skipped(Exception):
     """The competitor cannot run this workload here; the message says why."""
@@ -153,7 +169,7 @@ class TorchEager(Competitor):
         try:
             import torch
         except ImportError as exc:
-            raise Skipped("torch is not installed (pip install 'onnxopt[bench]')") from exc
+            raise Skipped("torch is not installed (pip install -e '.[bench]' in the repository)") from exc
         torch.set_num_threads(wl.threads)
         self.torch = torch
         layers = []
@@ -268,8 +284,9 @@ class OrtTraining(Competitor):
                  else onnxblock.optim.AdamW(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0))
         self._dir = tempfile.TemporaryDirectory(prefix="onnxopt-bench-")
         d = self._dir.name
-        artifacts.generate_artifacts(model, requires_grad=[i.name for i in model.graph.initializer], loss=loss,
-                                     optimizer=optim, artifact_directory=d)
+        with _stderr_to_devnull():  # NOTE: its gradient builder logs ~140 INFO lines whatever ORT's severity
+            artifacts.generate_artifacts(model, requires_grad=[i.name for i in model.graph.initializer], loss=loss,
+                                         optimizer=optim, artifact_directory=d)
         for f in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
             m = onnx.load(os.path.join(d, f))
             m.ir_version = 10  # NOTE: onnx 1.19 writes IR 12 for the optimizer model; ORT 1.19 reads up to 10

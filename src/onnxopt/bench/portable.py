@@ -147,7 +147,7 @@ def find_python(python: str | None = None) -> tuple[str | None, str]:
     version, ort_version, training = json.loads(out.stdout.strip().splitlines()[-1])
     if training:
         return None, (f"{exe} has onnxruntime-training {ort_version}; expected stock onnxruntime (Python 3.13+: "
-                      "`pip install onnxopt` there)")
+                      "`pip install -e .` from the repository there)")
     return exe, f"Python {version}, onnxruntime {ort_version}"
 
 

@@ -6,6 +6,7 @@ them, so the hand-written analysis around the tables survives a re-run.
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import re
@@ -208,6 +209,11 @@ def _scaling(groups, workloads) -> list[str]:
     return lines
 
 
+CAPTIONS = {"loss against step": "Mean training loss of each epoch against the step, one panel per workload and one "
+                                 "line per competitor (same data, model and initial weights).",
+            "scaling": "Time per step against the batch size and against the hidden width, onnxopt and PyTorch eager."}
+
+
 def tables(results: list[Result], workloads: list[Workload], memory: dict[str, dict[str, float | None]], images: dict[str, str], header: str) -> str:
     """The generated part of the page."""
     groups = _by_workload(results)
@@ -232,7 +238,7 @@ def tables(results: list[Result], workloads: list[Workload], memory: dict[str, d
     scaling = _scaling(groups, workloads)
     if scaling:
         out += ["Scaling (W1 with SGD, onnxopt and PyTorch eager):", "", *scaling, ""]
-    out += [f"![{alt}]({path})" for alt, path in images.items()]
+    out += [f"![{alt}]({path})\n\n*{CAPTIONS.get(alt, alt)}*\n" for alt, path in images.items()]
     return "\n".join(out) + "\n"
 
 
@@ -276,16 +282,16 @@ def plot_losses(results: list[Result], workloads: list[Workload], path: str) -> 
     styles = [dict(lw=4, alpha=0.35), dict(lw=1.2, ls="--"), dict(lw=1, ls=":"), dict(lw=1, marker="x", ms=4),
               dict(lw=0.8, marker="o", ms=2, ls="-.")]
     for ax, wl in zip(axes.flat, main):
-        for style, (name, r) in zip(styles, groups[wl.name].items()):
-            if r.skipped or r.reference:
-                continue
+        # NOTE: styles go to the plotted curves only; skipped peers and references used to take scikit-learn's
+        plotted = [(name, r) for name, r in groups[wl.name].items() if not (r.skipped or r.reference)]
+        for style, (name, r) in zip(itertools.cycle(styles), plotted):
             means = r.epoch_means()  # NOTE: per-step losses are batch noise; epoch means show agreement
             ax.plot((np.arange(len(means)) + 1) * wl.steps, means, label=name, **style)
         ax.set_title(f"{wl.name}: {wl.title}", fontsize=9)
         ax.set_yscale("log")
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(main):]:
         ax.axis("off")
     fig.tight_layout()

@@ -1,0 +1,51 @@
+"""What ``loss="auto"`` means for a model, and the metrics that fit a loss (R², accuracy, log loss).
+
+A model with a label output (int64 or string tensor, as skl2onnx's classifiers have) and one other output (the
+probabilities, a tensor or ZipMap's dictionaries) is a classifier: the loss is
+``cross_entropy(from_logits=False)`` on the probabilities. Any other model is a regressor: ``square``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxopt.errors import ModelError
+
+__all__ = ["choose_loss", "metrics"]
+
+_LABEL_TYPES = (ir.DataType.INT64, ir.DataType.INT32, ir.DataType.STRING)
+CLASSIFIER_LOSS = "cross_entropy:from_logits=false"
+
+
+def choose_loss(model, loss, output: str | None) -> tuple:
+    """``(loss, output)`` with ``loss="auto"`` replaced by the loss that fits ``model`` (see the module)."""
+    if not (isinstance(loss, str) and loss == "auto"):
+        return loss, output
+    if model is None:  # NOTE: a step saved without its inference model
+        return "square", output
+    from onnxopt.modelio import load_model  # NOTE: its one-line errors; ZipMap's dictionaries become a tensor
+
+    outputs = load_model(model).graph.outputs
+    labels = [v.name for v in outputs if isinstance(v.type, ir.TensorType) and v.dtype in _LABEL_TYPES]
+    others = [v.name for v in outputs if v.name not in labels]
+    if not labels or output in labels:
+        return "square", output
+    if output is None and len(others) != 1:
+        raise ModelError(f"loss: the model has class labels {labels} and {len(others)} other outputs {others}; "
+                         f"pick the probabilities with --output NAME (output=) and --loss {CLASSIFIER_LOSS}")
+    return CLASSIFIER_LOSS, output or others[0]
+
+
+def metrics(est, X: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """The metrics of a fitted ``Trainer`` on (X, y): R² for regression, accuracy and log loss for classes."""
+    if est._kind == "regression":
+        return {"R²": est.score(X, y)}
+    out = np.asarray(est._raw_predict(X), np.float64).reshape(len(X), -1)
+    if "eps" not in est._loss.attrs:  # NOTE: the losses on probabilities have eps, those on scores do not
+        out = 1 / (1 + np.exp(-out)) if out.shape[1] == 1 else np.exp(out - out.max(axis=1, keepdims=True))
+    proba = np.hstack([1 - out, out]) if out.shape[1] == 1 else out / out.sum(axis=1, keepdims=True)
+    index = np.searchsorted(est.classes_, np.asarray(y))
+    eps = np.finfo(np.float64).eps
+    log_loss = -np.mean(np.log(np.clip(proba[np.arange(len(index)), index], eps, 1)))
+    return {"accuracy": est.score(X, y), "log loss": float(log_loss)}
