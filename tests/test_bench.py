@@ -15,6 +15,7 @@ from onnxopt.bench import main
 from onnxopt.bench.competitors import Onnxopt
 from onnxopt.bench.report import BEGIN, END, write_markdown
 from onnxopt.bench.workloads import WORKLOADS, select
+from conftest import needs_training_build
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,7 @@ def test_memory_in_a_fresh_process_and_matmul_references():
     assert len(ours.losses) == (1 + 2 * 2) * wl.steps  # NOTE: its extra blocks stay out of the loss curve
 
 
+@needs_training_build  # NOTE: compares the training build with stock onnxruntime
 def test_portable_comparison_says_why_it_skipped(tmp_path, capsys):
     import sys
 

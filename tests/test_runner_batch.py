@@ -167,7 +167,9 @@ def test_relu_gradients_become_masked_products_bit_for_bit(rng, batch, gradient)
         "ReluGrad" if gradient == "builder" else "Sign"] == 2
     ops = collections.Counter(n.op_type for n in cpu_model(step, batch_size=batch).model.graph.node)
     large = batch * width >= LARGE_RELU_GRAD
-    assert ops["ReluGrad"] == ops["Greater"] == ops["Cast"] == 0 and ops["HardSigmoid"] == (2 if large else 0)
+    assert ops["ReluGrad"] == 0 and ops["HardSigmoid"] == (2 if large else 0)
+    if gradient == "builder":  # NOTE: stock onnxruntime's portable Adam holds a Greater and a Cast of its own
+        assert ops["Greater"] == ops["Cast"] == 0
     assert ops["Sign"] == (0 if large else 2)
     one_thread = default_session_options(1)  # NOTE: on threads the bias sums change too (test below)
     runner = onnxopt.Runner(step, batch_size=batch, session_options=one_thread)
