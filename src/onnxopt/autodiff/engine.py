@@ -214,12 +214,7 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
     outputs = list(g.outputs)
     no_grad = [i for i, o in enumerate(outputs) if o not in active]
     # NOTE: as the builder: one YieldOp output per differentiable forward output, the others listed
-    # NOTE: ranks only: a declared size can be ONNX inference's, which onnxruntime's kernel may not follow (STFT)
-    yield_outs = [ir.Value(name=f"{o.name}_grad", type=o.type or (ir.TensorType(types[o.name]) if o.name in types
-                                                                 else None),
-                           shape=None if o.shape is None else ir.Shape([d if isinstance(d, ir.SymbolicDim) else None
-                                                                       for d in o.shape]))
-                  for o in outputs if o in active]
+    yield_outs = [_output_grad(o, types) for o in outputs if o in active]
     yield_node = ir.node("YieldOp", outputs, domain="com.microsoft", outputs=yield_outs,
                          attributes={"non_differentiable_outputs": ir.AttrInt64s("non_differentiable_outputs", no_grad),
                                      "full_shape_outputs": ir.AttrInt64s("full_shape_outputs",
@@ -291,6 +286,14 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
     g.outputs.clear()
     g.outputs.extend(results)
     return m
+
+
+def _output_grad(o: ir.Value, types: dict) -> ir.Value:
+    """The YieldOp output ``<o>_grad``: ``o``'s type and rank (not its sizes: a declared size can be ONNX
+    inference's, which onnxruntime's kernel may not follow, as STFT's frame count)."""
+    dtype = o.type or (ir.TensorType(types[o.name]) if o.name in types else None)
+    rank = None if o.shape is None else ir.Shape([d if isinstance(d, ir.SymbolicDim) else None for d in o.shape])
+    return ir.Value(name=f"{o.name}_grad", type=dtype, shape=rank)
 
 
 def _infer(m: ir.Model) -> tuple[dict, dict]:
