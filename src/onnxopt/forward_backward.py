@@ -51,7 +51,7 @@ class ForwardBackward:
             statistics not updated); None = each node as its ``training_mode`` says.
 
     The weights live in ``ForwardBackward`` as OrtValues (``get_weights``/``set_weights``) unless a call
-    passes ``weights=``. Do not modify an output in place before its backward: ORT may reuse it there.
+    passes ``weights=``. ``forward`` returns copies of ORT's outputs (its backward may reuse their memory).
     """
 
     def __init__(self, model: ModelLike, weights: Sequence[str] | None = None,
@@ -103,7 +103,10 @@ class ForwardBackward:
     # -- raw runs (OrtValues in and out; onnxopt.torch uses these) -----------------------------------------
     def run_forward(self, inputs: Sequence, weights: Sequence | None = None) -> tuple[list, Context]:
         """Forward on model inputs (in ``input_names`` order) and weights (``weight_names`` order, default the
-        stored ones), each an array, OrtValue or DLPack producer; returns (OrtValues, context)."""
+        stored ones), each an array, OrtValue or DLPack producer; returns (OrtValues, context).
+
+        The outputs are ORT's own memory, which its backward may reuse for other values: read or copy them
+        before ``run_backward``."""
         feeds = [*inputs, *(weights if weights is not None else self._weights.values())]
         values = [self._agent.ortvalue(f) for f in feeds]
         outputs, state = self._agent.forward(values)
@@ -142,7 +145,8 @@ class ForwardBackward:
         ``requires_grad=False`` keeps nothing for a backward (inference).
         """
         outputs, ctx = self.run_forward(self._inputs(inputs))
-        result = Outputs(_owned(o, ctx.feeds) for o in outputs)
+        # NOTE: copies: ORT's backward may reuse an output's memory (run_forward's note)
+        result = Outputs(np.array(o.numpy()) for o in outputs)
         if requires_grad:
             result.context = ctx
             self._pending.append(ctx)

@@ -24,7 +24,7 @@ from onnxopt.dsl.losses import flat_pair, weighted_mean, weighted_sum
 from onnxopt.errors import DslError, ModelError, WeightError
 from onnxopt.gradient import check_weights, gradient_ir
 from onnxopt.modelio import ModelLike, load_model, require_training_build, runtime_limits
-from onnxopt.passes.lower import (BROKEN_FLOAT64_KERNELS, BROKEN_KERNELS, check_portable, crops_as_slices,
+from onnxopt.passes.lower import (broken_kernels, check_portable, crops_as_slices,
                                   lower_training_ops)
 from onnxopt.passes.modes import apply_mode, running_updates, split_statistics
 from onnxopt.passes.fuse_update import fuse_update
@@ -285,8 +285,7 @@ def compile_train_step(
         w_values[name].const_value = initial[name]
         g.register_initializer(w_values[name])
     # NOTE: before _finish, whose constant folding folds the lowerings' CastLike'd constants
-    broken = BROKEN_KERNELS | (BROKEN_FLOAT64_KERNELS if initial[names[0]].dtype == ir.DataType.DOUBLE else set())
-    lower_training_ops(fused, None if portable else broken)
+    lower_training_ops(fused, None if portable else broken_kernels(initial[names[0]].dtype))
     if not portable:  # NOTE: onnxruntime-training's fused optimizer kernels, where they match the rule exactly
         optimizer_kernels(fused, rule, initial[names[0]].dtype)
     _finish(fused, ["loss", *out_names, STEP + NEW, *(n for _, n in buffers), *[v.name for v in prediction]],

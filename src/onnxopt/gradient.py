@@ -339,11 +339,14 @@ def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = 
                          f"node the builder differentiates: {_fix(node, weights)}") from exc
 
 
-def _lower_unsized_pool_grads(m: ir.Model) -> None:
-    """Lowers every MaxPoolGrad to standard ops when one has an output shape not static beyond the batch axis:
-    its CPU kernel sizes the gradient from the graph's static shape (0 for an unknown dimension) and then writes
-    out of bounds (a crash, or corrupted memory)."""
-    from onnxopt.passes.lower import lower_training_ops
+def _lower_unsized_pool_grads(m: ir.Model, dtype: ir.DataType | None = None) -> None:
+    """Lowers the kernels that fail at run time (``passes.lower.broken_kernels(dtype)``), and every MaxPoolGrad
+    when one has an output shape not static beyond the batch axis: its CPU kernel sizes the gradient from the
+    graph's static shape (0 for an unknown dimension) and then writes out of bounds (a crash, or corrupted
+    memory)."""
+    from onnxopt.passes.lower import broken_kernels, lower_training_ops
+
+    lower_training_ops(m, broken_kernels(dtype))
 
     def unsized(node: ir.Node) -> bool:
         shape = node.outputs[0].shape
@@ -421,7 +424,7 @@ def gradient_ir(
         names = [v.name for v in m.graph.inputs]
         raise ModelError(f"inputs: {unknown} are not inputs of the model (expected some of {names})")
     grad = build_gradient(m, weights, inputs, mode, portable)
-    _lower_unsized_pool_grads(grad)
+    _lower_unsized_pool_grads(grad, m.graph.initializers[weights[0]].dtype if weights else None)
     _tag_regions(grad.graph)
     forward = _yield_rewrite(grad.graph, keep_outputs, fill_grad)
     _restore_constants(grad.graph, m.graph, weights)
@@ -469,8 +472,15 @@ def agent_model(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (),
     """The builder's graph as ``TrainingAgent`` runs it, YieldOp kept, plus the indices of the outputs that
     take no gradient (integer labels...). Inputs: model inputs then ``weights``; outputs: ``<name>_grad``."""
     grad = build_gradient(m, weights, inputs, mode)
+    _lower_unsized_pool_grads(grad, m.graph.initializers[weights[0]].dtype if weights else None)
     _restore_constants(grad.graph, m.graph, weights)
     grad.ir_version = 10
+    # NOTE: the builder orders its inputs its own way (a Gemm's bias before its weight): put them, and the
+    # gradients, in the documented order, or each weight would be fed to another's input
+    feeds = [*(v.name for v in m.graph.inputs if v.name not in m.graph.initializers), *weights]
+    for values, names in ((grad.graph.inputs, feeds), (grad.graph.outputs, [f"{n}_grad" for n in [*inputs, *weights]])):
+        by_name = {v.name: v for v in values}
+        values[:] = [by_name[n] for n in names if n in by_name] + [v for v in values if v.name not in names]
     node = next(n for n in grad.graph if n.op_type == "YieldOp")
     attr = node.attributes.get("non_differentiable_outputs")
     return ir.to_proto(grad), list(attr.as_ints()) if attr is not None else []

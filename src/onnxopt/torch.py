@@ -1,8 +1,9 @@
 """``OnnxModule``: an ONNX graph as a ``torch.nn.Module`` (optional: ``pip install onnxopt[torch]``).
 
 Its parameters are the ONNX weights; forward and backward run in onnxruntime through ``ForwardBackward``
-inside a ``torch.autograd.Function``. Tensors cross with DLPack: on CPU neither the inputs, the weights,
-the outputs nor the gradients are copied. ``import onnxopt`` never imports this module.
+inside a ``torch.autograd.Function``. Tensors cross with DLPack: on CPU neither the inputs, the weights
+nor the gradients are copied (the outputs are: ORT's backward may reuse their memory). ``import onnxopt``
+never imports this module.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class _OnnxFunction(torch.autograd.Function):
         feeds = [t.detach().contiguous() for t in tensors]
         outputs, run = fb.run_forward(feeds[:n_inputs], feeds[n_inputs:])
         ctx.fb, ctx.run, ctx.n_inputs = fb, run, n_inputs
-        result = tuple(_tensor(o) for o in outputs)
+        # NOTE: copies: the backward may reuse the memory of ORT's outputs
+        result = tuple(_tensor(o).clone() for o in outputs)
         ctx.mark_non_differentiable(*[result[i] for i in fb._no_grad])
         return result
 
@@ -63,14 +65,15 @@ class OnnxModule(torch.nn.Module):
         model: the ONNX model (proto, ir.Model or path).
         weights: initializers to train (parameters); None = every real weight.
         inputs: model inputs that may receive a gradient; None = every float input.
+        mode: "train", "eval" or None for Dropout and BatchNormalization (``ForwardBackward``'s).
 
     ``forward(*inputs)`` takes the model inputs in order and returns one tensor, or a tuple when the model
     has several outputs. Parameter names are the weight names with ``.`` replaced by ``_``.
     """
 
-    def __init__(self, model: ModelLike, weights=None, inputs=None):
+    def __init__(self, model: ModelLike, weights=None, inputs=None, mode: str | None = None):
         super().__init__()
-        self.fb = ForwardBackward(model, weights=weights, inputs=inputs)
+        self.fb = ForwardBackward(model, weights=weights, inputs=inputs, mode=mode)
         self.param_names = {}
         for name, value in self.fb.get_weights().items():
             safe = name.replace(".", "_")

@@ -21,7 +21,7 @@ import onnx_ir as ir
 from onnxopt.errors import ModelError
 
 __all__ = ["LOWERINGS", "LowerTrainingOpsPass", "lower_training_ops", "check_portable", "crops_as_slices",
-           "STANDARD_DOMAINS", "BROKEN_KERNELS", "BROKEN_FLOAT64_KERNELS"]
+           "STANDARD_DOMAINS", "BROKEN_KERNELS", "BROKEN_FLOAT64_KERNELS", "broken_kernels"]
 
 MS = "com.microsoft"
 STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
@@ -459,6 +459,11 @@ class LowerTrainingOpsPass(ir.passes.InPlacePass):
 # float64 kernel.
 BROKEN_KERNELS = {("", "AveragePoolGrad")}
 BROKEN_FLOAT64_KERNELS = {(MS, "LeakyReluGrad")}
+
+
+def broken_kernels(dtype: ir.DataType | None) -> set[tuple[str, str]]:
+    """The training-build kernels to lower in a graph whose weights are ``dtype``."""
+    return BROKEN_KERNELS | (BROKEN_FLOAT64_KERNELS if dtype == ir.DataType.DOUBLE else set())
 
 
 def lower_training_ops(model: ir.Model, ops: set[tuple[str, str]] | None = None) -> ir.Model:
