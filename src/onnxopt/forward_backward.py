@@ -16,6 +16,7 @@ import onnx_ir as ir
 from onnxopt.errors import DataError, ModelError
 from onnxopt.gradient import FLOAT_TYPES, TrainingAgent, agent_model, check_weights
 from onnxopt.modelio import ModelLike, load_model
+from onnxopt.passes.tie import retarget, tie_parameters
 
 __all__ = ["ForwardBackward", "Context", "Outputs"]
 
@@ -49,17 +50,21 @@ class ForwardBackward:
         device: "cpu" or "cuda".
         mode: "train" or "eval" for Dropout and BatchNormalization (``compile_train_step``'s meaning, running
             statistics not updated); None = each node as its ``training_mode`` says.
+        tie: duplicated initializers as one weight (``compile_train_step``'s ``tie``); ``model`` is then the
+            tied model.
 
     The weights live in ``ForwardBackward`` as OrtValues (``get_weights``/``set_weights``) unless a call
     passes ``weights=``. ``forward`` returns copies of ORT's outputs (its backward may reuse their memory).
     """
 
     def __init__(self, model: ModelLike, weights: Sequence[str] | None = None,
-                 inputs: Sequence[str] | None = None, device: str = "cpu", mode: str | None = None):
+                 inputs: Sequence[str] | None = None, device: str = "cpu", mode: str | None = None,
+                 tie: bool = True):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
-        m = load_model(model)
-        self.weight_names = check_weights(m, weights)
+        self.model = m = load_model(model)
+        self.ties = tie_parameters(m, tie)
+        self.weight_names = check_weights(m, retarget(weights, self.ties))
         self.input_names = [v.name for v in m.graph.inputs if v.name not in m.graph.initializers]
         self.output_names = [v.name for v in m.graph.outputs]
         types = {v.name: v.dtype for v in m.graph.inputs}

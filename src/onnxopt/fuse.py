@@ -26,6 +26,7 @@ from onnxopt.gradient import check_weights, gradient_ir
 from onnxopt.modelio import ModelLike, load_model, require_training_build, runtime_limits
 from onnxopt.passes.lower import (broken_kernels, check_portable, crops_as_slices,
                                   lower_training_ops)
+from onnxopt.passes.tie import retarget, tie_parameters
 from onnxopt.passes.modes import apply_mode, running_updates, split_statistics
 from onnxopt.passes.fuse_update import fuse_update
 from onnxopt.passes.kernels import optimizer_kernels
@@ -174,6 +175,7 @@ def compile_train_step(
     mode: str = "train",
     frozen: Sequence[str] | None = None,
     portable: bool = False,
+    tie: bool = True,
 ) -> TrainStep:
     """Compiles one training step of ``model`` into a single ONNX graph (see ``step.TrainStep`` for its names).
 
@@ -194,9 +196,13 @@ def compile_train_step(
         frozen: initializers never trained, even when ``weights=None`` picks them.
         portable: lower the training-only ops of the backward graph to standard ONNX (``passes.lower``): the
             step then runs on stock onnxruntime, onnxruntime-gpu or onnx.reference (docs/portable.md).
+        tie: train the initializers an exporter duplicated (``A`` and a copy of ``A`` or ``A^T``) as one
+            parameter, exported tied (``passes.tie``); False trains them apart.
     """
     require_training_build("compile_train_step")
     m = load_model(model)
+    ties = tie_parameters(m, tie)
+    weights, frozen = retarget(weights, ties), retarget(frozen, ties)
     split_statistics(m)  # NOTE: also in the inference model, so export() writes statistics and weights apart
     inference = ir.to_proto(m)
     rule, pen, sched = resolve_update(update), resolve_penalty(penalty), resolve_schedule(learning_rate)

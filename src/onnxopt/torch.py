@@ -65,21 +65,20 @@ class OnnxModule(torch.nn.Module):
         model: the ONNX model (proto, ir.Model or path).
         weights: initializers to train (parameters); None = every real weight.
         inputs: model inputs that may receive a gradient; None = every float input.
-        mode: "train", "eval" or None for Dropout and BatchNormalization (``ForwardBackward``'s).
+        mode, tie: ``ForwardBackward``'s (Dropout and BatchNormalization; duplicated initializers as one).
 
     ``forward(*inputs)`` takes the model inputs in order and returns one tensor, or a tuple when the model
     has several outputs. Parameter names are the weight names with ``.`` replaced by ``_``.
     """
 
-    def __init__(self, model: ModelLike, weights=None, inputs=None, mode: str | None = None):
+    def __init__(self, model: ModelLike, weights=None, inputs=None, mode: str | None = None, tie: bool = True):
         super().__init__()
-        self.fb = ForwardBackward(model, weights=weights, inputs=inputs, mode=mode)
+        self.fb = ForwardBackward(model, weights=weights, inputs=inputs, mode=mode, tie=tie)
         self.param_names = {}
         for name, value in self.fb.get_weights().items():
             safe = name.replace(".", "_")
             self.register_parameter(safe, torch.nn.Parameter(torch.from_numpy(value)))
             self.param_names[name] = safe
-        self._model = model
 
     def forward(self, *inputs: torch.Tensor):
         names = self.fb.input_names
@@ -95,10 +94,8 @@ class OnnxModule(torch.nn.Module):
         return outputs[0] if len(outputs) == 1 else outputs
 
     def to_onnx(self) -> onnx.ModelProto:
-        """The ONNX model with the current parameter values as its initializers."""
-        from onnxopt.modelio import load_model
-
-        m = load_model(self._model)
+        """The ONNX model (tied, see ``ForwardBackward``) with the current parameter values as its initializers."""
+        m = ir.from_proto(ir.to_proto(self.fb.model))
         for name, safe in self.param_names.items():
             value = getattr(self, safe).detach().numpy().copy()
             m.graph.initializers[name].const_value = ir.tensor(value, name=name)
