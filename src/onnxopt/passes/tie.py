@@ -14,6 +14,7 @@ torch.onnx folds ``Transpose(weight)`` into a second initializer where a tied we
 from __future__ import annotations
 
 import ast
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,6 +23,7 @@ import onnx_ir as ir
 __all__ = ["tie_parameters", "retarget", "FOLDED_FROM"]
 
 FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
+logger = logging.getLogger(__name__)
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
@@ -85,6 +87,7 @@ def tie_parameters(m: ir.Model, tie: bool = True) -> dict[str, str]:
             new.type, new.shape = old.type, old.shape
             nodes.append(node)
         ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+        logger.info("tied %r to %r (%s)", copy, kept, "transposed" if perm else "equal")
         if perm is not None:  # NOTE: old keeps its name: its tensor may be the caller's TensorProto
             new.name = copy
     if nodes:
