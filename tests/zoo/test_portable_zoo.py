@@ -28,6 +28,7 @@ CASES = [
     (MM, "math_ops", "dynamo", None, {"BroadcastGradientArgs", "DivGrad"}),
     (MM, "activations", "dynamo18", None, {"BroadcastGradientArgs", "SoftmaxGrad_13"}),
     (MM, "deconv", "dynamo", None, {"ConvGrad", "GatherGrad", "SliceGrad", "FusedMatMul"}),
+    (MM, "pooling", "script", None, {"ConvGrad", "MaxPoolGrad"}),
     (MZ, "mlp_softplus", "dynamo", None, {"BroadcastGradientArgs"}),
     (MZ, "transformer", "script_train", 0.3, {"DropoutGrad", "FusedMatMul", "LayerNormalizationGrad"}),
     (MM, "residual", "script_train", 0.3, {"DropoutGrad", "ConvGrad"}),

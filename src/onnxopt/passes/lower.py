@@ -30,10 +30,11 @@ STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 class _Op:
     """``op.Add(a, b)``, ``op.Split(x, s, axis=1, _outputs=2)``: nodes recorded on a tape, for one lowered node."""
 
-    def __init__(self, node: ir.Node, inferred: dict[str, tuple] | None = None):
+    def __init__(self, node: ir.Node, inferred: dict[str, tuple] | None = None, mode: str = "portable"):
         self.tape = ir.tape.Tape()
         self.node = node
         self.inferred = inferred or {}
+        self.mode = mode  # NOTE: what an error names: "portable", or the default step replacing a kernel
 
     def dims(self, value: ir.Value) -> tuple | None:
         """``value``'s dimensions (ints, or None where unknown): its own shape, else ONNX shape inference's."""
@@ -266,23 +267,31 @@ def max_pool_grad(op, dy, indices, **_):
 
 
 def average_pool_grad(op, dy, kernel_shape, strides=None, pads=None, count_include_pad: int = 0, ceil_mode: int = 0,
-                      auto_pad: str = "NOTSET"):
-    """Each dy spread over its window (÷ window size): a ConvTranspose by ones on (N·C, 1, *S)."""
-    if ceil_mode or auto_pad not in ("NOTSET", "VALID"):
-        raise ModelError(f"portable: AveragePoolGrad node {op.node.name!r} has ceil_mode={ceil_mode}, "
-                         f"auto_pad={auto_pad!r}; expected 0 and NOTSET (export the model with explicit pads)")
+                      auto_pad: str = "NOTSET", dilations=None):
+    """Each dy ÷ its window's count spread over the window: a ConvTranspose by ones on (N·C, 1, *S). The count
+    is the kernel's size with count_include_pad=1 (onnxruntime's, ceil_mode's last windows too; torch clips
+    those to the pads), else the inputs the window covers: a Conv of ones by ones over X, zero-padded by the
+    pads and by what ceil_mode's last windows reach past them."""
+    if auto_pad not in ("NOTSET", "VALID"):
+        raise ModelError(f"{op.mode}: AveragePoolGrad node {op.node.name!r} has auto_pad={auto_pad!r}; expected "
+                         "NOTSET or VALID (export the model with explicit pads)")
     r = len(kernel_shape)
-    strides, pads = list(strides or [1] * r), list(pads or [0] * (2 * r))
+    strides, dilations = list(strides or [1] * r), list(dilations or [1] * r)
+    pads = list(pads or [0] * (2 * r))
     x = op.forward_input(op.node.outputs[0])
     ones = op.Expand(op.const(1.0, dy), op.ints([1, 1, *kernel_shape]))
     flat = op.Reshape(dy, op.Concat(op.ints([-1, 1]), op.Shape(dy, start=2), axis=0))
-    if count_include_pad or not any(pads):
+    if count_include_pad or not (ceil_mode or any(pads)):
         flat = op.Div(flat, op.const(float(np.prod(kernel_shape)), dy))
-    else:  # NOTE: windows over the padding hold fewer inputs: count them by pooling ones
-        first = op.Expand(op.const(1.0, dy), op.Concat(op.ints([1, 1]), op.Shape(x, start=2), axis=0))
-        fraction = op.AveragePool(first, kernel_shape=kernel_shape, strides=strides, pads=pads, count_include_pad=1)
-        flat = op.Div(flat, op.Mul(fraction, op.const(float(np.prod(kernel_shape)), dy)))
-    dx = _conv_transpose_to(op, flat, ones, x, r, strides=strides, pads=pads)
+    else:
+        size = op.Shape(x, start=2)
+        reach = [(k - 1) * d + 1 for k, d in zip(kernel_shape, dilations)]  # NOTE: a window's extent
+        end = op.Add(op.Mul(op.Sub(op.Shape(dy, start=2), op.ints([1] * r)), op.ints(strides)), op.ints(reach))
+        extra = op.Max(op.Sub(end, op.Add(size, op.ints([b + e for b, e in zip(pads[:r], pads[r:])]))), op.ints([0] * r))
+        count = op.Expand(op.const(1.0, dy), op.Concat(op.ints([1, 1]), size, axis=0))
+        count = op.Pad(count, op.Concat(op.ints([0, 0, *pads[:r], 0, 0]), op.Add(extra, op.ints(pads[r:])), axis=0))
+        flat = op.Div(flat, op.Conv(count, ones, strides=strides, dilations=dilations))
+    dx = _conv_transpose_to(op, flat, ones, x, r, strides=strides, pads=pads, dilations=dilations)
     return op.Reshape(dx, op.Shape(x))
 
 
@@ -406,7 +415,7 @@ def _inferred_dims(model: ir.Model) -> dict[str, tuple]:
             if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
 
 
-def _lower(node: ir.Node, inferred: dict[str, tuple]) -> None:
+def _lower(node: ir.Node, inferred: dict[str, tuple], mode: str = "portable") -> None:
     fn = LOWERINGS.get((node.domain, node.op_type))
     if fn is None:
         rnn = ("; a portable step unrolls GRU and LSTM (passes.decompose) with a static sequence length up to 64, "
@@ -415,7 +424,7 @@ def _lower(node: ir.Node, inferred: dict[str, tuple]) -> None:
         raise ModelError(f"portable: op {node.domain or 'ai.onnx'}::{node.op_type} (node {node.name!r}) has no "
                          f"lowering to standard ONNX yet (lowered ops: {sorted(op for _, op in LOWERINGS)}){rnn}; "
                          "compile with portable=False and train with onnxruntime-training")
-    op = _Op(node, inferred)
+    op = _Op(node, inferred, mode)
     attrs = {name: attr.value for name, attr in node.attributes.items()}
     outs = fn(op, *node.inputs, **attrs)
     outs = [outs] if isinstance(outs, ir.Value) else list(outs)
@@ -447,8 +456,10 @@ class LowerTrainingOpsPass(ir.passes.InPlacePass):
         todo = [n for n in model.graph if not _is_standard(n) and n.op_identifier() not in model.functions
                 and (self.ops is None or (n.domain, n.op_type) in self.ops)]
         inferred = _inferred_dims(model) if todo else {}
+        # NOTE: a set of ops is the default step replacing broken kernels (BROKEN_KERNELS), not a portable one
+        mode = "portable" if self.ops is None else "compile_train_step (replacing a training-build kernel)"
         for node in todo:
-            _lower(node, inferred)
+            _lower(node, inferred, mode)
         if todo and not any(n.domain == MS for n in model.graph):
             model.opset_imports.pop(MS, None)
         return ir.passes.PassResult(model, modified=bool(todo))
