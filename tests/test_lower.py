@@ -47,6 +47,13 @@ def _ln_case(shape, k):
     return inputs, {"axis": -k, "epsilon": 1e-5}, [shape, shape[-k:], shape[-k:]]
 
 
+def _rms_case(shape, k):
+    x = R.normal(size=shape)
+    inv_std = 1 / np.sqrt((x * x).mean(axis=tuple(range(len(shape) - k, len(shape))), keepdims=True) + 1e-5)
+    inputs = {"dY": R.normal(size=shape), "X": x, "scale": R.normal(size=shape[-k:]), "inv_std": inv_std}
+    return inputs, {"axis": -k, "epsilon": 1e-5}, [shape, shape[-k:]]
+
+
 def _pool_case(op_type, x_shape, **attrs):
     import torch
 
@@ -95,6 +102,15 @@ def _cases():
         "ConvGrad-group": _conv_case((2, 4, 7, 6), (6, 2, 3, 2), group=2, pads=[1, 0, 1, 0], dilations=[2, 1]),
         "ConvGrad-1d": _conv_case((3, 2, 10), (3, 2, 4), strides=[3], pads=[2, 1]),
         "LayerNormalizationGrad": _ln_case((3, 2, 5), 2),
+        "FastGelu": ({"X": b * 3}, {}, [(3, 4)]),
+        "FastGelu-bias": ({"X": b * 3, "B": R.normal(size=4)}, {}, [(3, 4)]),
+        "FastGeluGrad": ({"dY": a, "X": b * 3}, {}, [(3, 4)]),
+        "BiasGelu": ({"A": b * 3, "B": R.normal(size=4)}, {}, [(3, 4)]),
+        "BiasGeluGrad_dX": ({"dY": a, "X": b * 3, "B": R.normal(size=4)}, {}, [(3, 4)]),
+        "BiasFastGeluGrad_dX": ({"dY": a, "X": b * 3, "B": R.normal(size=4)}, {}, [(3, 4)]),
+        "SimplifiedLayerNormalization": ({"X": y3, "scale": R.normal(size=4)}, {"axis": -1, "epsilon": 1e-5},
+                                         [(2, 3, 4), (2, 3, 1)]),
+        "SimplifiedLayerNormalizationGrad": _rms_case((3, 2, 5), 2),
         "MaxPoolGrad": _pool_case("MaxPoolGrad", (2, 3, 7, 7), kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
         "AveragePoolGrad": _pool_case("AveragePoolGrad", (2, 3, 7, 7), kernel_shape=[2, 2], strides=[2, 2]),
         "AveragePoolGrad-pads": _pool_case("AveragePoolGrad", (2, 3, 7, 6), kernel_shape=[3, 2], strides=[2, 2],

@@ -29,6 +29,8 @@ CASES = [
     (MM, "activations", "dynamo18", None, {"BroadcastGradientArgs", "SoftmaxGrad_13"}),
     (MM, "deconv", "dynamo", None, {"ConvGrad", "GatherGrad", "SliceGrad", "FusedMatMul"}),
     (MM, "pooling", "script", None, {"ConvGrad", "MaxPoolGrad"}),
+    (MM, "rms_gelu", "script", None, {"FastGelu", "FastGeluGrad", "SimplifiedLayerNormalization",
+                                      "SimplifiedLayerNormalizationGrad"}),
     (MZ, "mlp_softplus", "dynamo", None, {"BroadcastGradientArgs"}),
     (MZ, "transformer", "script_train", 0.3, {"DropoutGrad", "FusedMatMul", "LayerNormalizationGrad"}),
     (MM, "residual", "script_train", 0.3, {"DropoutGrad", "ConvGrad"}),

@@ -139,6 +139,39 @@ def gelu_grad(op, dy, x):
     return op.Mul(dy, op.Add(cdf, op.Mul(x, pdf)))
 
 
+def _tanh_gelu_inner(op, x) -> ir.Value:
+    """tanh(√(2/π)·(x + 0.044715·x³)), the tanh approximation of GELU (GPT-2's ``NewGELU``)."""
+    cube = op.Mul(op.const(0.044715, x), op.Mul(x, op.Mul(x, x)))
+    return op.Tanh(op.Mul(op.const(math.sqrt(2 / math.pi), x), op.Add(x, cube)))
+
+
+def fast_gelu(op, x, bias=None):
+    """0.5·x·(1 + t), t = tanh(√(2/π)·(x + 0.044715·x³)), x plus the optional bias (FastGeluFusion's)."""
+    x = x if bias is None else op.Add(x, bias)
+    return op.Mul(op.Mul(op.const(0.5, x), x), op.Add(op.const(1.0, x), _tanh_gelu_inner(op, x)))
+
+
+def fast_gelu_grad(op, dy, x):
+    """dy·0.5·(1 + t + x·(1 − t²)·√(2/π)·(1 + 3·0.044715·x²))."""
+    t = _tanh_gelu_inner(op, x)
+    slope = op.Mul(op.const(math.sqrt(2 / math.pi), x), op.Add(op.const(1.0, x), op.Mul(op.const(3 * 0.044715, x),
+                                                                                         op.Mul(x, x))))
+    dt = op.Mul(x, op.Mul(op.Sub(op.const(1.0, x), op.Mul(t, t)), slope))
+    return op.Mul(dy, op.Mul(op.const(0.5, x), op.Add(op.Add(op.const(1.0, x), t), dt)))
+
+
+def bias_gelu(op, a, b):
+    return gelu(op, op.Add(a, b))
+
+
+def bias_gelu_grad(op, dy, x, b):
+    return gelu_grad(op, dy, op.Add(x, b))
+
+
+def bias_fast_gelu_grad(op, dy, x, b):
+    return fast_gelu_grad(op, dy, op.Add(x, b))
+
+
 def quick_gelu(op, x, alpha: float = 1.702):
     """x·σ(α·x) (SiLU for α = 1), which the builder fuses from x·Sigmoid(x)."""
     return op.Mul(x, op.Sigmoid(op.Mul(x, op.const(alpha, x))))
@@ -348,15 +381,18 @@ def dropout_grad(op, dy, mask, ratio=None, training_mode=None, **_):
     return op.Div(op.Mul(op.CastLike(mask, dy), dy), op.CastLike(keep, dy))
 
 
+def _normalized_axes(op, scale, axis: int) -> ir.Value:
+    """The trailing axes a (Simplified)LayerNormalization normalizes: from ``axis`` < 0, else the scale's rank."""
+    k = -axis if axis < 0 else op.rank(scale)
+    if k is None:
+        raise ModelError(f"{op.mode}: {op.node.op_type} node {op.node.name!r} needs the rank of its scale")
+    return op.ints(range(-k, 0))
+
+
 def layer_norm_grad(op, dy, x, scale, mean, inv_std, axis: int = -1, **_):
     """x̂ = (x − mean)·inv_std; dx = inv_std·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)) with ĝ = dy·scale, means over the
     normalized axes; dscale = Σ dy·x̂ and dbias = Σ dy over the others."""
-    k = op.rank(scale)
-    if axis < 0:
-        k = -axis
-    if k is None:
-        raise ModelError(f"portable: LayerNormalizationGrad node {op.node.name!r} needs the rank of its scale")
-    axes = op.ints(range(-k, 0))
+    axes = _normalized_axes(op, scale, axis)
     xhat = op.Mul(op.Sub(x, mean), inv_std)
     g = op.Mul(dy, scale)
     inner = op.Sub(op.Sub(g, op.ReduceMean(g, axes, keepdims=1)),
@@ -368,6 +404,23 @@ def layer_norm_grad(op, dy, x, scale, mean, inv_std, axis: int = -1, **_):
     return dx, dscale, dbias
 
 
+def simplified_layer_norm(op, x, scale, axis: int = -1, epsilon: float = 1e-5, **_):
+    """RMS normalization (SimplifiedLayerNormFusion's): y = x·inv·scale, inv = 1/√(mean(x²) + ε) (output 2)."""
+    inv = op.Reciprocal(op.Sqrt(op.Add(op.ReduceMean(op.Mul(x, x), _normalized_axes(op, scale, axis), keepdims=1),
+                                       op.const(epsilon, x))))
+    return op.Mul(op.Mul(x, inv), scale), (inv if op.wanted(1) else None)
+
+
+def simplified_layer_norm_grad(op, dy, x, scale, inv_std, axis: int = -1, **_):
+    """x̂ = x·inv; dx = inv·(ĝ − x̂·mean(ĝ·x̂)), ĝ = dy·scale; dscale = Σ dy·x̂ over the other axes."""
+    xhat, g = op.Mul(x, inv_std), op.Mul(dy, scale)
+    dx = op.Mul(inv_std, op.Sub(g, op.Mul(xhat, op.ReduceMean(op.Mul(g, xhat), _normalized_axes(op, scale, axis),
+                                                                keepdims=1)))) if op.wanted(0) else None
+    rows = op.Concat(op.ints([-1]), op.Shape(scale), axis=0)
+    dscale = op.ReduceSum(op.Reshape(op.Mul(dy, xhat), rows), op.ints([0]), keepdims=0) if op.wanted(1) else None
+    return dx, dscale
+
+
 # NOTE: found by compiling steps for the models onnxopt supports (MLPs with every activation, losses, updates,
 # penalties, float32/64, torch.onnx exports of CNNs, LayerNorm, Gather/Slice/Concat models): see docs/portable.md
 LOWERINGS = {
@@ -377,6 +430,13 @@ LOWERINGS = {
     (MS, "LeakyReluGrad"): leaky_relu_grad,
     (MS, "Gelu"): gelu,
     (MS, "GeluGrad"): gelu_grad,
+    (MS, "FastGelu"): fast_gelu,
+    (MS, "FastGeluGrad"): fast_gelu_grad,
+    (MS, "BiasGelu"): bias_gelu,
+    (MS, "BiasGeluGrad_dX"): bias_gelu_grad,
+    (MS, "BiasFastGeluGrad_dX"): bias_fast_gelu_grad,
+    ("", "SimplifiedLayerNormalization"): simplified_layer_norm,
+    (MS, "SimplifiedLayerNormalizationGrad"): simplified_layer_norm_grad,
     (MS, "QuickGelu"): quick_gelu,
     (MS, "QuickGeluGrad"): quick_gelu_grad,
     (MS, "SoftmaxGrad_13"): softmax_grad,
