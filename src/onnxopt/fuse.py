@@ -176,6 +176,7 @@ def compile_train_step(
     frozen: Sequence[str] | None = None,
     portable: bool = False,
     tie: bool = True,
+    fixed_rows: dict[str, Sequence[int]] | None = None,
 ) -> TrainStep:
     """Compiles one training step of ``model`` into a single ONNX graph (see ``step.TrainStep`` for its names).
 
@@ -198,11 +199,14 @@ def compile_train_step(
             step then runs on stock onnxruntime, onnxruntime-gpu or onnx.reference (docs/portable.md).
         tie: train the initializers an exporter duplicated (``A`` and a copy of ``A`` or ``A^T``) as one
             parameter, exported tied (``passes.tie``); False trains them apart.
+        fixed_rows: {weight: rows} whose gradient is zero, as torch's ``Embedding(padding_idx=...)`` makes it
+            (exporters drop ``padding_idx``); a penalty still moves them, as torch's weight decay does.
     """
     require_training_build("compile_train_step")
     m = load_model(model)
     ties = tie_parameters(m, tie)
     weights, frozen = retarget(weights, ties), retarget(frozen, ties)
+    fixed_rows = {ties.get(n, n): rows for n, rows in (fixed_rows or {}).items()}
     split_statistics(m)  # NOTE: also in the inference model, so export() writes statistics and weights apart
     inference = ir.to_proto(m)
     rule, pen, sched = resolve_update(update), resolve_penalty(penalty), resolve_schedule(learning_rate)
@@ -254,6 +258,7 @@ def compile_train_step(
     ws = [w_values[n] for n in names]
 
     tape = _RegionTape(g, "penalty")
+    _zero_rows(tape, grads, ws, fixed_rows)
     if pen is not None:
         terms = []
         for i, w in enumerate(ws):
@@ -318,6 +323,22 @@ def compile_train_step(
         inference=inference.SerializeToString(),
         output_grad=y.name + GRAD if external_grad else None, prediction=y.name if external_grad else None,
     )
+
+
+def _zero_rows(tape: ir.tape.Tape, grads: list[ir.Value], ws: list[ir.Value], fixed_rows: dict) -> None:
+    """Multiplies each gradient of ``fixed_rows`` by a mask whose listed rows (first axis) are 0."""
+    unknown = sorted(set(fixed_rows) - {w.name for w in ws})
+    if unknown:
+        raise WeightError(f"fixed_rows: {unknown} are not trained weights (expected some of {[w.name for w in ws]})")
+    for i, w in enumerate(ws):
+        if w.name not in fixed_rows:
+            continue
+        rows, n = [int(r) for r in fixed_rows[w.name]], w.shape[0]
+        if any(not -n <= r < n for r in rows):
+            raise WeightError(f"fixed_rows: rows {rows} of {w.name!r} out of range (it has {n} rows)")
+        mask = np.ones((n,) + (1,) * (len(w.shape) - 1), w.dtype.numpy())
+        mask[rows] = 0
+        grads[i] = tape.op("Mul", [grads[i], tape.op("Constant", [], {"value": ir.tensor(mask)})])
 
 
 class _RegionTape(ir.tape.Tape):

@@ -139,3 +139,32 @@ def test_gpt2_tie_is_one_weight_and_untie_trains_two(exporter):
     _, _, _, _, where = _first("gpt2", exporter, tie=False)
     with pytest.raises(AssertionError, match="trained twice|trained values for"):
         assert_one_to_one(where, _params(H.make_module("gpt2")))
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_padding_row(fixed):
+    """BERT's word embedding has padding_idx=0, which torch never trains and the exporters drop: with
+    fixed_rows={table: [0]} 4 SGD steps on ids holding 0 follow torch.optim.SGD, table included; without, row 0
+    moves where torch's stays."""
+    model = H.exported("bert", "script")
+    X, y = H.make_data("bert")
+    X[:, ::3] = 0  # NOTE: padding tokens in every sequence
+    table = next(n for n in onnxopt.train_initializers(model) if "word_embeddings" in n)
+    step = onnxopt.compile_train_step(model, loss="cross_entropy", mode="eval", learning_rate=0.5,
+                                      fixed_rows={table: [0]} if fixed else None)
+    runner = onnxopt.Runner(step)
+    module = H.make_module("bert")
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    for i in range(0, 4 * BATCH, BATCH):
+        runner.step(X[i:i + BATCH], y[i:i + BATCH])
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(module(torch.from_numpy(X[i:i + BATCH])),
+                                          torch.from_numpy(y[i:i + BATCH])).backward()
+        opt.step()
+    ours = runner.get_weights()[table]
+    theirs = module.model.bert.embeddings.word_embeddings.weight.detach().numpy()
+    initial = step.initial_weights()[table][0]
+    assert np.array_equal(theirs[0], initial)
+    if fixed:
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6)
+    assert np.array_equal(ours[0], initial) == fixed
