@@ -16,6 +16,7 @@ import onnxopt
 from zoo import models_hf as H
 from onnxopt.torch import OnnxModule
 from zoo.common import assert_gradients, assert_one_to_one, gradient_out, locate, predict
+from zoo.models import load_into
 
 pytest.importorskip("transformers")
 
@@ -43,17 +44,6 @@ def _flat_grads(module) -> np.ndarray:
                            for p in module.parameters()])
 
 
-def _load(module, weights: dict, where: dict) -> None:
-    flat = np.concatenate([p.detach().numpy().ravel() for p in module.parameters()])
-    for name, w in weights.items():
-        flat[where[name].ravel()] = w.ravel()
-    start = 0
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.from_numpy(flat[start:start + p.numel()].reshape(p.shape)))
-            start += p.numel()
-
-
 @functools.cache
 def _first(name: str, exporter: str, tie: bool = True):
     model = H.exported(name, exporter)
@@ -64,7 +54,7 @@ def _first(name: str, exporter: str, tie: bool = True):
     grads = runner.get_weights()
     module = H.make_module(name)
     where = locate(_params(module), initial)
-    _load(module, initial, where)
+    load_into(module, initial, where)
     ref = torch.nn.functional.cross_entropy(module(torch.from_numpy(X)), torch.from_numpy(y))
     ref.backward()
     return loss, grads, ref.item(), _flat_grads(module), where
@@ -85,7 +75,7 @@ def test_partial_training_equals_autograd(case):
     module = H.make_module(name)
     weights = {n: getattr(layer, s).detach().numpy() for n, s in layer.param_names.items()}
     where = locate(_params(module), weights)
-    _load(module, weights, where)
+    load_into(module, weights, where)
     G = torch.from_numpy(np.random.default_rng(0).normal(size=(4, H.CLASSES)).astype(np.float32))
     xs = [torch.from_numpy(X.copy()) for _ in range(2)]
     for x in xs:

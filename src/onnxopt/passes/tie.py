@@ -65,6 +65,11 @@ def _ties(g: ir.Graph) -> dict[str, tuple[str, list[int] | None]]:
             ties[name] = (hit, perm)
         else:
             seen.setdefault(_key(a), name)
+    for name, (kept, perm) in ties.items():  # NOTE: a record's source may itself be a copy: tie to the root
+        while kept in ties:
+            kept, outer = ties[kept]
+            perm = None if (perm is None) == (outer is None) else [1, 0]
+        ties[name] = (kept, perm)
     return ties
 
 
