@@ -39,9 +39,11 @@ _NON_WEIGHT_SLOTS = {
 }
 # NOTE: the dynamo exporter (onnxscript's optimizer) records what it folded an initializer from; one folded
 # only from its temporaries (``val_12``) or the graph's values (a shape) is a computed constant (attention
-# scale, RNN initial state), one folded from a parameter (``linear1.weight`` transposed) a weight.
+# scale, RNN initial state), and so is one folded through torch's ``cos``/``sin`` (a rotary table);
+# one folded from a parameter (``linear1.weight`` transposed) a weight.
 _FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
 _TEMPORARY = re.compile(r"val_\d+")
+_TRIG = re.compile(r"(cos|sin)(_\d+)?")
 _UNREACHABLE = re.compile(r"partial derivative for '([^']+)' as it's unreachable")
 _MISSING = re.compile(r"gradient builder has not been registered:\s*(\S+?)(?: for node (\S*))?\s*$", re.M)
 
@@ -59,8 +61,10 @@ def _is_folded_constant(value: ir.Value, computed: set[str]) -> bool:
     sources = value.metadata_props.get(_FOLDED_FROM)
     if not sources:
         return False
-    names = re.findall(r"'([^']*)'", sources)
-    return bool(names) and all(_TEMPORARY.fullmatch(n) or n in computed for n in names)
+    names = [n for n in re.findall(r"'([^']*)'", sources) if not (_TEMPORARY.fullmatch(n) or n in computed)]
+    # NOTE: torch's cos/sin in the fold make a table of positions (rotary or sinusoidal, from buffers such as
+    # inv_freq), not a copy of parameters (a transpose, GRU's gates reordered)
+    return not names or any(_TRIG.fullmatch(n) for n in names)
 
 
 def _is_weight(value: ir.Value, computed: set[str] = frozenset()) -> bool:

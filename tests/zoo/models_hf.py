@@ -1,5 +1,5 @@
 """Models of the libraries users bring, built from tiny configs (no download): Hugging Face transformers
-(BERT, DistilBERT, GPT-2 with its tied embedding, ViT) and timm (resnet10t, mobilenetv3, convnext_atto,
+(BERT, DistilBERT, GPT-2 with its tied embedding, Llama, ViT) and timm (resnet10t, mobilenetv3, convnext_atto,
 vit_tiny, mixer) when it imports.
 
 timm imports torchvision, and PyPI's torchvision wheel is built for CUDA torch: beside the CPU torch of this
@@ -69,6 +69,11 @@ def _hf(name: str) -> nn.Module:
         cfg = T.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
         model, kind = T.GPT2LMHeadModel(cfg), "lm"
+    elif name == "llama":  # NOTE: RMS norms, SiLU gates and a rotary table the dynamo export folds to constants
+        cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, intermediate_size=32, max_position_embeddings=SEQ,
+                            bos_token_id=1, eos_token_id=1, pad_token_id=0)
+        model, kind = T.LlamaForCausalLM(cfg), "lm"
     elif name == "vit":
         cfg = T.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
                           num_attention_heads=2, intermediate_size=32, **common)
@@ -82,7 +87,7 @@ def _hf(name: str) -> nn.Module:
 TIMM_MODELS = {"resnet10t": {}, "mobilenetv3_small_050": {}, "convnext_atto": {},
                "vit_tiny_patch16_224": {"img_size": 16, "patch_size": 8, "depth": 1},
                "mixer_s16_224": {"img_size": 16, "patch_size": 8, "num_blocks": 1}}
-HF_MODELS = ["bert", "distilbert", "gpt2", "vit"]
+HF_MODELS = ["bert", "distilbert", "gpt2", "llama", "vit"]
 IMAGE_SHAPE = {"vit": (3, 8, 8), **{name: (3, 16, 16) for name in TIMM_MODELS}}
 
 

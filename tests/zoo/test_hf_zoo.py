@@ -1,4 +1,4 @@
-"""Models users bring from transformers (BERT, DistilBERT, GPT-2 with its tied embedding, ViT) and timm
+"""Models users bring from transformers (BERT, DistilBERT, GPT-2 with its tied embedding, Llama, ViT) and timm
 (skipped where timm does not import, ``zoo.models_hf``), exported by torch: the first step's loss and
 gradients equal torch autograd, each torch parameter is trained once (a tie is one weight), partial training
 (``ForwardBackward``, ``OnnxModule``) matches autograd, and SGD steps follow ``torch.optim.SGD``.
@@ -22,7 +22,8 @@ pytest.importorskip("transformers")
 
 # NOTE: a dynamo export of these takes 10-60 s on a shared 2-core machine: GPT-2 (the tie) and ViT through
 # both exporters, BERT and DistilBERT through one each
-EXPORTERS = {"bert": ["script"], "distilbert": ["dynamo"], "gpt2": ["dynamo", "script"], "vit": ["dynamo", "script"],
+EXPORTERS = {"bert": ["script"], "distilbert": ["dynamo"], "gpt2": ["dynamo", "script"], "llama": ["dynamo"],
+             "vit": ["dynamo", "script"],
              **{name: ["script"] for name in H.TIMM_MODELS}}
 CASES = [(name, e) for name in [*H.HF_MODELS, *H.TIMM_MODELS] for e in EXPORTERS[name]]
 BATCH = 8
