@@ -84,19 +84,26 @@ def _hf(name: str) -> nn.Module:
     return _Classifier(model, kind)
 
 
-TIMM_MODELS = {"resnet10t": {}, "mobilenetv3_small_050": {}, "convnext_atto": {},
-               "vit_tiny_patch16_224": {"img_size": 16, "patch_size": 8, "depth": 1},
-               "mixer_s16_224": {"img_size": 16, "patch_size": 8, "num_blocks": 1}}
+def _timm(name: str, **kwargs):
+    return lambda: TIMM.create_model(name, pretrained=False, num_classes=CLASSES, **kwargs)
+
+
+TIMM_MODELS = {"resnet10t": _timm("resnet10t"), "mobilenetv3": _timm("mobilenetv3_small_050"),
+               "convnext_atto": _timm("convnext_atto"),
+               "vit_tiny": _timm("vit_tiny_patch16_224", img_size=16, patch_size=8, depth=1),
+               # NOTE: mixer_s16_224 fixes its patch size and depth: the class itself, tiny
+               "mixer": lambda: TIMM.models.mlp_mixer.MlpMixer(num_classes=CLASSES, img_size=16, patch_size=8,
+                                                               num_blocks=1, embed_dim=32)}
 HF_MODELS = ["bert", "distilbert", "gpt2", "llama", "vit"]
-IMAGE_SHAPE = {"vit": (3, 8, 8), **{name: (3, 16, 16) for name in TIMM_MODELS}}
+# NOTE: convnext_atto downsamples by 32 (its last 2x2 downsampling needs 2x2 left)
+IMAGE_SHAPE = {"vit": (3, 8, 8), **{name: (3, 16, 16) for name in TIMM_MODELS}, "convnext_atto": (3, 32, 32)}
 
 
 def make_module(name: str) -> nn.Module:
     """The model ``name`` in eval mode, seeded, every parameter perturbed (GPT-2's tie kept)."""
     torch.manual_seed(0)
     if name in TIMM_MODELS:
-        module = _Classifier(TIMM.create_model(name, pretrained=False, num_classes=CLASSES, **TIMM_MODELS[name]),
-                             "image")
+        module = _Classifier(TIMM_MODELS[name](), "image")
     else:
         module = _hf(name)
     with warnings.catch_warnings():
@@ -121,11 +128,23 @@ _EXPORTS: dict = {}
 
 
 def exported(name: str, exporter: str):
-    """The export of ``make_module(name)`` by ``exporter`` ("dynamo" or "script"), made once per session."""
+    """The export of ``make_module(name)`` by ``exporter`` ("dynamo", "script" or "script_train": BatchNorm
+    kept, not folded into the convolutions), made once per session."""
     import onnx
 
     if (name, exporter) not in _EXPORTS:
-        _EXPORTS[name, exporter] = export(make_module(name), make_data(name, n=4)[0], exporter)
+        module = make_module(name)
+        proto = export(module, make_data(name, n=4)[0], exporter)
+        # NOTE: a training-mode export runs the module once: its BatchNorm statistics moved, as in the ONNX
+        _EXPORTS[name, exporter] = proto, {k: v.clone() for k, v in module.state_dict().items()}
     out = onnx.ModelProto()
-    out.CopyFrom(_EXPORTS[name, exporter])
+    out.CopyFrom(_EXPORTS[name, exporter][0])
     return out
+
+
+def exported_module(name: str, exporter: str) -> nn.Module:
+    """``make_module(name)`` in eval mode as it was right after its export (the state the ONNX model holds)."""
+    exported(name, exporter)
+    module = make_module(name)
+    module.load_state_dict(_EXPORTS[name, exporter][1])
+    return module.eval()

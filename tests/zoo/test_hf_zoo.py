@@ -24,7 +24,8 @@ pytest.importorskip("transformers")
 # both exporters, BERT and DistilBERT through one each
 EXPORTERS = {"bert": ["script"], "distilbert": ["dynamo"], "gpt2": ["dynamo", "script"], "llama": ["dynamo"],
              "vit": ["dynamo", "script"],
-             **{name: ["script"] for name in H.TIMM_MODELS}}
+             **{name: ["script"] for name in H.TIMM_MODELS}, "resnet10t": ["script_train"],
+             "mobilenetv3": ["script_train"]}  # NOTE: BatchNorm kept (an eval export folds it into the convs)
 CASES = [(name, e) for name in [*H.HF_MODELS, *H.TIMM_MODELS] for e in EXPORTERS[name]]
 BATCH = 8
 
@@ -40,6 +41,26 @@ def _params(module) -> dict:
     return dict(module.named_parameters())
 
 
+def _locate(module, weights: dict) -> dict:
+    """Where each ONNX weight sits in the flat parameters: by name where the export kept torch's name and
+    shape, else by value (``locate``: near-equal values of a large model could be taken for each other)."""
+    params, start, where = _params(module), 0, {}
+    for pname, p in params.items():
+        if pname in weights and tuple(weights[pname].shape) == tuple(p.shape):
+            where[pname] = start + np.arange(p.numel()).reshape(tuple(p.shape))
+        start += p.numel()
+    offsets = dict(zip(params, np.cumsum([0] + [p.numel() for p in params.values()])))
+    for name, w in weights.items():  # NOTE: a copy reshaped or transposed by the exporter (onnx::Mul_12)
+        for pname, p in params.items() if name not in where else ():
+            a, idx = p.detach().numpy(), offsets[pname] + np.arange(p.numel()).reshape(tuple(p.shape))
+            if a.size == w.size and np.array_equal(a.ravel(), w.ravel()):
+                where[name] = idx.reshape(w.shape)
+            elif a.ndim == 2 and a.T.shape == w.shape and np.array_equal(a.T, w):
+                where[name] = idx.T
+    rest = {n: w for n, w in weights.items() if n not in where}
+    return {**where, **(locate(params, rest) if rest else {})}
+
+
 def _flat_grads(module) -> np.ndarray:
     return np.concatenate([(p.grad if p.grad is not None else torch.zeros_like(p)).numpy().ravel()
                            for p in module.parameters()])
@@ -53,8 +74,8 @@ def _first(name: str, exporter: str, tie: bool = True):
     initial, runner = step.initial_weights(), onnxopt.Runner(step)
     loss = runner.step(X, y)
     grads = runner.get_weights()
-    module = H.make_module(name)
-    where = locate(_params(module), initial)
+    module = H.exported_module(name, exporter)
+    where = _locate(module, initial)
     load_into(module, initial, where)
     ref = torch.nn.functional.cross_entropy(module(torch.from_numpy(X)), torch.from_numpy(y))
     ref.backward()
@@ -73,9 +94,9 @@ def test_partial_training_equals_autograd(case):
     model = H.exported(name, exporter)
     X = H.make_data(name, n=4)[0]
     layer = OnnxModule(model, mode="eval")
-    module = H.make_module(name)
+    module = H.exported_module(name, exporter)
     weights = {n: getattr(layer, s).detach().numpy() for n, s in layer.param_names.items()}
-    where = locate(_params(module), weights)
+    where = _locate(module, weights)
     load_into(module, weights, where)
     G = torch.from_numpy(np.random.default_rng(0).normal(size=(4, H.CLASSES)).astype(np.float32))
     xs = [torch.from_numpy(X.copy()) for _ in range(2)]
@@ -97,10 +118,11 @@ def test_sgd_follows_torch(case):
     name, exporter = case
     model = H.exported(name, exporter)
     X, y = H.make_data(name)
-    step = onnxopt.compile_train_step(model, loss="cross_entropy", mode="eval", learning_rate=0.5)
+    lr = 0.02 if exporter == "script_train" else 0.5  # NOTE: the BatchNorm CNNs diverge at 0.5
+    step = onnxopt.compile_train_step(model, loss="cross_entropy", mode="eval", learning_rate=lr)
     runner = onnxopt.Runner(step)
-    module = H.make_module(name)
-    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    module = H.exported_module(name, exporter)
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
     ours, theirs = [], []
     for i in range(0, 4 * BATCH, BATCH):
         ours.append(runner.step(X[i:i + BATCH], y[i:i + BATCH]))
@@ -110,6 +132,8 @@ def test_sgd_follows_torch(case):
         opt.step()
         theirs.append(loss.item())
     np.testing.assert_allclose(ours, theirs, rtol=2e-4)
+    if exporter == "script_train":  # NOTE: its BatchNormalization nodes compute batch statistics at inference
+        return
     with torch.no_grad():
         expected = module(torch.from_numpy(X)).numpy()
     np.testing.assert_allclose(predict(runner.export(), X), expected, rtol=1e-3, atol=1e-4)
