@@ -94,7 +94,7 @@ class Workload:
     def data(self) -> tuple[np.ndarray, np.ndarray]:
         """X (n, sizes[0]) float32 and targets: float32 values, {0, 1} floats or int64 classes."""
         rng = np.random.default_rng(1000 + self.seed)
-        X = rng.normal(size=(self.n, *self.sizes[:-1])).astype(np.float32)
+        X = rng.normal(size=(self.n, *(self.sizes[:-1] if self.arch else self.sizes[:1]))).astype(np.float32)
         flat = X.reshape(self.n, self.sizes[0], -1).mean(axis=2) if self.arch else X  # NOTE: images, sequences
         w = rng.normal(size=(self.sizes[0], self.sizes[-1])) / np.sqrt(self.sizes[0])
         score = flat @ w * (4 if self.arch else 1) + 0.1 * rng.normal(size=(self.n, self.sizes[-1]))
