@@ -116,3 +116,23 @@ def test_portable_comparison_says_why_it_skipped(tmp_path, capsys):
     assert text.index("Skipped: none of W1-sgd") < text.index(f"Skipped: {sys.executable} has onnxruntime-training")
     assert text.index("expected stock onnxruntime") < text.index(END)
     assert cli(["bench", "--help"]) == 0 and "--portable-python PATH" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["R1", "T1"])
+def test_real_model_workloads_train_like_torch(name):
+    """R1 (ResNet-style CNN, BatchNorm on batch statistics) and T1 (transformer encoder): onnxopt's step on
+    the TorchScript export and torch eager on the module give the same losses over two batches."""
+    import dataclasses
+
+    pytest.importorskip("torch")
+    from onnxopt.bench.competitors import TorchEager
+
+    wl = dataclasses.replace(WORKLOADS[name], n=2 * WORKLOADS[name].batch)
+    assert select([name]) == [WORKLOADS[name]] and wl.arch
+    X, y = wl.data()
+    losses = []
+    for cls in (Onnxopt, TorchEager):
+        comp = cls()
+        comp.setup(wl, X, y, {})
+        losses.append(comp.epoch())
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)

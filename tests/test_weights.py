@@ -216,3 +216,13 @@ def test_cli_mode_and_frozen(tmp_path, capsys):
     assert "weights: B" in capsys.readouterr().out
     assert main(["compile", str(path), "--mode", "inference", "-o", str(tmp_path / "s.onnx")]) == 2
     assert "invalid choice: 'inference'" in capsys.readouterr().err
+
+
+def test_fixed_rows_are_checked():
+    from onnxopt.examples import mlp
+
+    model = mlp([3, 4, 1])
+    with pytest.raises(WeightError, match=r"fixed_rows: \['nope'\] are not trained weights"):
+        onnxopt.compile_train_step(model, fixed_rows={"nope": [0]})
+    with pytest.raises(WeightError, match=r"fixed_rows: rows \[3\] of 'coef_0' out of range \(it has 3 rows\)"):
+        onnxopt.compile_train_step(model, fixed_rows={"coef_0": [3]})

@@ -16,6 +16,7 @@ import onnx_ir as ir
 from onnxopt.errors import DataError, ModelError
 from onnxopt.gradient import FLOAT_TYPES, SplitAgent, TrainingAgent, agent_model, check_weights, gradient_source, split_models
 from onnxopt.modelio import ModelLike, load_model
+from onnxopt.passes.tie import retarget, tie_parameters
 
 __all__ = ["ForwardBackward", "Context", "Outputs"]
 
@@ -51,18 +52,21 @@ class ForwardBackward:
             statistics not updated); None = each node as its ``training_mode`` says.
         gradient: "onnxopt" (its rules; two sessions of any onnxruntime, ``gradient.SplitAgent``) or "builder"
             (onnxruntime-training's ``TrainingAgent``); None = ``gradient.gradient_source``'s default.
+        tie: duplicated initializers as one weight (``compile_train_step``'s ``tie``); ``model`` is then the
+            tied model.
 
     The weights live in ``ForwardBackward`` as OrtValues (``get_weights``/``set_weights``) unless a call
-    passes ``weights=``. Do not modify an output in place before its backward: ORT may reuse it there.
+    passes ``weights=``. ``forward`` returns copies of ORT's outputs (its backward may reuse their memory).
     """
 
     def __init__(self, model: ModelLike, weights: Sequence[str] | None = None,
                  inputs: Sequence[str] | None = None, device: str = "cpu", mode: str | None = None,
-                 gradient: str | None = None):
+                 tie: bool = True, gradient: str | None = None):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
-        m = load_model(model)
-        self.weight_names = check_weights(m, weights)
+        self.model = m = load_model(model)
+        self.ties = tie_parameters(m, tie)
+        self.weight_names = check_weights(m, retarget(weights, self.ties))
         self.input_names = [v.name for v in m.graph.inputs if v.name not in m.graph.initializers]
         self.output_names = [v.name for v in m.graph.outputs]
         types = {v.name: v.dtype for v in m.graph.inputs}
@@ -83,7 +87,7 @@ class ForwardBackward:
             self._agent = TrainingAgent(proto, len(self.output_names), device)
         else:
             fwd, bwd, _, self._no_grad = split_models(m, self.weight_names, self.grad_input_names, mode)
-            self._agent = SplitAgent(fwd, bwd, len(self.output_names), device)
+            self._agent = SplitAgent(fwd, bwd, len(self.output_names), device, [*self.input_names, *self.weight_names])
         inits = m.graph.initializers
         # NOTE: an OrtValue over NumPy memory does not own it: the arrays stay here, the OrtValues share them.
         self._arrays = {n: np.array(inits[n].const_value.numpy()) for n in self.weight_names}
@@ -110,7 +114,10 @@ class ForwardBackward:
     # -- raw runs (OrtValues in and out; onnxopt.torch uses these) -----------------------------------------
     def run_forward(self, inputs: Sequence, weights: Sequence | None = None) -> tuple[list, Context]:
         """Forward on model inputs (in ``input_names`` order) and weights (``weight_names`` order, default the
-        stored ones), each an array, OrtValue or DLPack producer; returns (OrtValues, context)."""
+        stored ones), each an array, OrtValue or DLPack producer; returns (OrtValues, context).
+
+        The outputs are ORT's own memory, which its backward may reuse for other values: read or copy them
+        before ``run_backward``."""
         feeds = [*inputs, *(weights if weights is not None else self._weights.values())]
         values = [self._agent.ortvalue(f) for f in feeds]
         outputs, state = self._agent.forward(values)
@@ -149,7 +156,8 @@ class ForwardBackward:
         ``requires_grad=False`` keeps nothing for a backward (inference).
         """
         outputs, ctx = self.run_forward(self._inputs(inputs))
-        result = Outputs(_owned(o, ctx.feeds) for o in outputs)
+        # NOTE: copies: ORT's backward may reuse an output's memory (run_forward's note)
+        result = Outputs(np.array(o.numpy()) for o in outputs)
         if requires_grad:
             result.context = ctx
             self._pending.append(ctx)

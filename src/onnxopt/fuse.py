@@ -24,8 +24,9 @@ from onnxopt.dsl.losses import flat_pair, weighted_mean, weighted_sum
 from onnxopt.errors import DslError, ModelError, WeightError
 from onnxopt.gradient import check_weights, gradient_ir, gradient_source, has_training_build
 from onnxopt.modelio import ModelLike, load_model, runtime_limits
-from onnxopt.passes.lower import (BROKEN_FLOAT64_KERNELS, BROKEN_KERNELS, check_portable, crops_as_slices,
+from onnxopt.passes.lower import (broken_kernels, check_portable, crops_as_slices,
                                   lower_training_ops)
+from onnxopt.passes.tie import retarget, tie_parameters
 from onnxopt.passes.modes import apply_mode, running_updates, split_statistics
 from onnxopt.passes.fuse_update import fuse_update
 from onnxopt.passes.kernels import optimizer_kernels
@@ -175,6 +176,8 @@ def compile_train_step(
     mode: str = "train",
     frozen: Sequence[str] | None = None,
     portable: bool = False,
+    tie: bool = True,
+    fixed_rows: dict[str, Sequence[int]] | None = None,
     gradient: str | None = None,
 ) -> TrainStep:
     """Compiles one training step of ``model`` into a single ONNX graph (see ``step.TrainStep`` for its names).
@@ -199,10 +202,17 @@ def compile_train_step(
             on when onnxruntime is not the training build.
         gradient: "onnxopt" (its own rules, any onnxruntime), "builder" (onnxruntime-training's), or None/"auto"
             (``gradient.gradient_source``); docs/gradients.md compares them.
+        tie: train the initializers an exporter duplicated (``A`` and a copy of ``A`` or ``A^T``) as one
+            parameter, exported tied (``passes.tie``); False trains them apart.
+        fixed_rows: {weight: rows} whose gradient is zero, as torch's ``Embedding(padding_idx=...)`` makes it
+            (exporters drop ``padding_idx``); a penalty still moves them, as torch's weight decay does.
     """
     source = gradient_source(gradient)
     portable = portable or not has_training_build()  # NOTE: stock onnxruntime runs standard ONNX only
     m = load_model(model)
+    ties = tie_parameters(m, tie)
+    weights, frozen = retarget(weights, ties), retarget(frozen, ties)
+    fixed_rows = {ties.get(n, n): rows for n, rows in (fixed_rows or {}).items()}
     split_statistics(m)  # NOTE: also in the inference model, so export() writes statistics and weights apart
     inference = ir.to_proto(m)
     rule, pen, sched = resolve_update(update), resolve_penalty(penalty), resolve_schedule(learning_rate)
@@ -255,6 +265,7 @@ def compile_train_step(
     ws = [w_values[n] for n in names]
 
     tape = _RegionTape(g, "penalty")
+    _zero_rows(tape, grads, ws, fixed_rows)
     if pen is not None:
         terms = []
         for i, w in enumerate(ws):
@@ -292,8 +303,7 @@ def compile_train_step(
         w_values[name].const_value = initial[name]
         g.register_initializer(w_values[name])
     # NOTE: before _finish, whose constant folding folds the lowerings' CastLike'd constants
-    broken = BROKEN_KERNELS | (BROKEN_FLOAT64_KERNELS if initial[names[0]].dtype == ir.DataType.DOUBLE else set())
-    lower_training_ops(fused, None if portable else broken)
+    lower_training_ops(fused, None if portable else broken_kernels(initial[names[0]].dtype))
     if not portable:  # NOTE: onnxruntime-training's fused optimizer kernels, where they match the rule exactly
         optimizer_kernels(fused, rule, initial[names[0]].dtype)
     _finish(fused, ["loss", *out_names, STEP + NEW, *(n for _, n in buffers), *[v.name for v in prediction]],
@@ -322,6 +332,22 @@ def compile_train_step(
         inference=inference.SerializeToString(),
         output_grad=y.name + GRAD if external_grad else None, prediction=y.name if external_grad else None,
     )
+
+
+def _zero_rows(tape: ir.tape.Tape, grads: list[ir.Value], ws: list[ir.Value], fixed_rows: dict) -> None:
+    """Multiplies each gradient of ``fixed_rows`` by a mask whose listed rows (first axis) are 0."""
+    unknown = sorted(set(fixed_rows) - {w.name for w in ws})
+    if unknown:
+        raise WeightError(f"fixed_rows: {unknown} are not trained weights (expected some of {[w.name for w in ws]})")
+    for i, w in enumerate(ws):
+        if w.name not in fixed_rows:
+            continue
+        rows, n = [int(r) for r in fixed_rows[w.name]], w.shape[0]
+        if any(not -n <= r < n for r in rows):
+            raise WeightError(f"fixed_rows: rows {rows} of {w.name!r} out of range (it has {n} rows)")
+        mask = np.ones((n,) + (1,) * (len(w.shape) - 1), w.dtype.numpy())
+        mask[rows] = 0
+        grads[i] = tape.op("Mul", [grads[i], tape.op("Constant", [], {"value": ir.tensor(mask)})])
 
 
 class _RegionTape(ir.tape.Tape):

@@ -40,9 +40,11 @@ _NON_WEIGHT_SLOTS = {
 }
 # NOTE: the dynamo exporter (onnxscript's optimizer) records what it folded an initializer from; one folded
 # only from its temporaries (``val_12``) or the graph's values (a shape) is a computed constant (attention
-# scale, RNN initial state), one folded from a parameter (``linear1.weight`` transposed) a weight.
+# scale, RNN initial state), and so is one folded through torch's ``cos``/``sin`` (a rotary table);
+# one folded from a parameter (``linear1.weight`` transposed) a weight.
 _FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
 _TEMPORARY = re.compile(r"val_\d+")
+_TRIG = re.compile(r"(cos|sin)(_\d+)?")
 _UNREACHABLE = re.compile(r"partial derivative for '([^']+)' as it's unreachable")
 _MISSING = re.compile(r"gradient builder has not been registered:\s*(\S+?)(?: for node (\S*))?\s*$", re.M)
 
@@ -60,8 +62,10 @@ def _is_folded_constant(value: ir.Value, computed: set[str]) -> bool:
     sources = value.metadata_props.get(_FOLDED_FROM)
     if not sources:
         return False
-    names = re.findall(r"'([^']*)'", sources)
-    return bool(names) and all(_TEMPORARY.fullmatch(n) or n in computed for n in names)
+    names = [n for n in re.findall(r"'([^']*)'", sources) if not (_TEMPORARY.fullmatch(n) or n in computed)]
+    # NOTE: torch's cos/sin in the fold make a table of positions (rotary or sinusoidal, from buffers such as
+    # inv_freq), not a copy of parameters (a transpose, GRU's gates reordered)
+    return not names or any(_TRIG.fullmatch(n) for n in names)
 
 
 def _is_weight(value: ir.Value, computed: set[str] = frozenset()) -> bool:
@@ -369,11 +373,14 @@ def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = 
                          f"node the builder differentiates: {_fix(node, weights)}") from exc
 
 
-def _lower_unsized_pool_grads(m: ir.Model) -> None:
-    """Lowers every MaxPoolGrad to standard ops when one has an output shape not static beyond the batch axis:
-    its CPU kernel sizes the gradient from the graph's static shape (0 for an unknown dimension) and then writes
-    out of bounds (a crash, or corrupted memory)."""
-    from onnxopt.passes.lower import lower_training_ops
+def _lower_unsized_pool_grads(m: ir.Model, dtype: ir.DataType | None = None) -> None:
+    """Lowers the kernels that fail at run time (``passes.lower.broken_kernels(dtype)``), and every MaxPoolGrad
+    when one has an output shape not static beyond the batch axis: its CPU kernel sizes the gradient from the
+    graph's static shape (0 for an unknown dimension) and then writes out of bounds (a crash, or corrupted
+    memory)."""
+    from onnxopt.passes.lower import broken_kernels, lower_training_ops
+
+    lower_training_ops(m, broken_kernels(dtype))
 
     def unsized(node: ir.Node) -> bool:
         shape = node.outputs[0].shape
@@ -455,7 +462,7 @@ def gradient_ir(
         names = [v.name for v in m.graph.inputs]
         raise ModelError(f"inputs: {unknown} are not inputs of the model (expected some of {names})")
     grad = build_gradient(m, weights, inputs, mode, portable, gradient)
-    _lower_unsized_pool_grads(grad)
+    _lower_unsized_pool_grads(grad, m.graph.initializers[weights[0]].dtype if weights else None)
     _tag_regions(grad.graph)
     forward = _yield_rewrite(grad.graph, keep_outputs, fill_grad)
     _restore_constants(grad.graph, m.graph, weights)
@@ -506,8 +513,15 @@ def agent_model(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (),
     take no gradient (integer labels...). Inputs: model inputs then ``weights``; outputs: ``<name>_grad``."""
     require_training_build("ForwardBackward (onnxruntime-training's TrainingAgent)")
     grad = build_gradient(m, weights, inputs, mode, gradient="builder")
+    _lower_unsized_pool_grads(grad, m.graph.initializers[weights[0]].dtype if weights else None)
     _restore_constants(grad.graph, m.graph, weights)
     grad.ir_version = 10
+    # NOTE: the builder orders its inputs its own way (a Gemm's bias before its weight): put them, and the
+    # gradients, in the documented order, or each weight would be fed to another's input
+    feeds = [*(v.name for v in m.graph.inputs if v.name not in m.graph.initializers), *weights]
+    for values, names in ((grad.graph.inputs, feeds), (grad.graph.outputs, [f"{n}_grad" for n in [*inputs, *weights]])):
+        by_name = {v.name: v for v in values}
+        values[:] = [by_name[n] for n in names if n in by_name] + [v for v in values if v.name not in names]
     node = next(n for n in grad.graph if n.op_type == "YieldOp")
     attr = node.attributes.get("non_differentiable_outputs")
     return ir.to_proto(grad), list(attr.as_ints()) if attr is not None else []
@@ -617,9 +631,11 @@ def split_models(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = ()
 class SplitAgent:
     """``TrainingAgent``'s interface over two sessions of stock onnxruntime (``split_models``): ``forward``
     returns the outputs and keeps the forward values the backward reads; ``backward`` runs from them. Values
-    go in as OrtValues, NumPy arrays (no copy) or DLPack producers (read through NumPy, no copy on CPU)."""
+    go in as OrtValues, NumPy arrays (no copy) or DLPack producers (read through NumPy, no copy on CPU), in
+    the order of ``feeds`` (the forward model's inputs by default)."""
 
-    def __init__(self, forward: onnx.ModelProto, backward: onnx.ModelProto, n_outputs: int, device: str = "cpu"):
+    def __init__(self, forward: onnx.ModelProto, backward: onnx.ModelProto, n_outputs: int, device: str = "cpu",
+                 feeds: Sequence[str] | None = None):
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
@@ -628,7 +644,7 @@ class SplitAgent:
         self._fwd = ort.InferenceSession(forward.SerializeToString(), opts, providers=providers,
                                          disabled_optimizers=["EliminateDropout"])  # NOTE: runner.KEEP_DROPOUT
         self._bwd = ort.InferenceSession(backward.SerializeToString(), opts, providers=providers)
-        self._feeds = [i.name for i in self._fwd.get_inputs()]
+        self._feeds = list(feeds) if feeds is not None else [i.name for i in self._fwd.get_inputs()]
         self._outs = [o.name for o in self._fwd.get_outputs()]
         self._bwd_inputs = [i.name for i in self._bwd.get_inputs()]
         self._fetch = [o.name for o in self._bwd.get_outputs()]

@@ -1,8 +1,9 @@
 """``OnnxModule``: an ONNX graph as a ``torch.nn.Module`` (optional: ``pip install -e '.[torch]'`` in the repository).
 
 Its parameters are the ONNX weights; forward and backward run in onnxruntime through ``ForwardBackward``
-inside a ``torch.autograd.Function``. Tensors cross with DLPack: on CPU neither the inputs, the weights,
-the outputs nor the gradients are copied. ``import onnxopt`` never imports this module.
+inside a ``torch.autograd.Function``. Tensors cross with DLPack: on CPU neither the inputs, the weights
+nor the gradients are copied (the outputs are: ORT's backward may reuse their memory). ``import onnxopt``
+never imports this module.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class _OnnxFunction(torch.autograd.Function):
         feeds = [t.detach().contiguous() for t in tensors]
         outputs, run = fb.run_forward(feeds[:n_inputs], feeds[n_inputs:])
         ctx.fb, ctx.run, ctx.n_inputs = fb, run, n_inputs
-        result = tuple(_tensor(o) for o in outputs)
+        # NOTE: copies: the backward may reuse the memory of ORT's outputs
+        result = tuple(_tensor(o).clone() for o in outputs)
         ctx.mark_non_differentiable(*[result[i] for i in fb._no_grad])
         return result
 
@@ -66,20 +68,20 @@ class OnnxModule(torch.nn.Module):
         model: the ONNX model (proto, ir.Model or path).
         weights: initializers to train (parameters); None = every real weight.
         inputs: model inputs that may receive a gradient; None = every float input.
+        mode, tie: ``ForwardBackward``'s (Dropout and BatchNormalization; duplicated initializers as one).
 
     ``forward(*inputs)`` takes the model inputs in order and returns one tensor, or a tuple when the model
     has several outputs. Parameter names are the weight names with ``.`` replaced by ``_``.
     """
 
-    def __init__(self, model: ModelLike, weights=None, inputs=None):
+    def __init__(self, model: ModelLike, weights=None, inputs=None, mode: str | None = None, tie: bool = True):
         super().__init__()
-        self.fb = ForwardBackward(model, weights=weights, inputs=inputs)
+        self.fb = ForwardBackward(model, weights=weights, inputs=inputs, mode=mode, tie=tie)
         self.param_names = {}
         for name, value in self.fb.get_weights().items():
             safe = name.replace(".", "_")
             self.register_parameter(safe, torch.nn.Parameter(torch.from_numpy(value)))
             self.param_names[name] = safe
-        self._model = model
 
     def forward(self, *inputs: torch.Tensor):
         names = self.fb.input_names
@@ -95,10 +97,8 @@ class OnnxModule(torch.nn.Module):
         return outputs[0] if len(outputs) == 1 else outputs
 
     def to_onnx(self) -> onnx.ModelProto:
-        """The ONNX model with the current parameter values as its initializers."""
-        from onnxopt.modelio import load_model
-
-        m = load_model(self._model)
+        """The ONNX model (tied, see ``ForwardBackward``) with the current parameter values as its initializers."""
+        m = ir.from_proto(ir.to_proto(self.fb.model))
         for name, safe in self.param_names.items():
             value = getattr(self, safe).detach().numpy().copy()
             m.graph.initializers[name].const_value = ir.tensor(value, name=name)

@@ -182,6 +182,38 @@ class Conv3dNet(nn.Module):
         return self.fc(F.avg_pool3d(torch.tanh(self.c(x)), 3).flatten(1))
 
 
+class Pooling(nn.Module):
+    """Conv -> ReLU -> AvgPool2d(2, ceil_mode) (timm's resnet10t downsample on an odd size) -> AvgPool2d(3, 2,
+    padding 1, ceil_mode) -> AvgPool2d(3, 1, padding 1, count_include_pad) -> MaxPool2d(2, 1, padding 1,
+    dilation 2, ceil_mode) -> Linear. (ceil_mode with count_include_pad: onnxruntime divides the last windows
+    by the kernel's size, torch by their part inside the pads; test_lower checks that form.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(2, 4, 3, padding=1)
+        self.fc = nn.Linear(36, 3)
+
+    def forward(self, x):
+        h = F.avg_pool2d(F.relu(self.c(x)), 2, ceil_mode=True, count_include_pad=False)  # (N, 4, 4, 4)
+        h = F.avg_pool2d(h, 3, 2, padding=1, ceil_mode=True, count_include_pad=False)  # (N, 4, 3, 3)
+        h = F.avg_pool2d(h, 3, 1, padding=1, count_include_pad=True)
+        return self.fc(F.max_pool2d(h, 2, 1, padding=1, dilation=2, ceil_mode=True).flatten(1))
+
+
+class RMSGelu(nn.Module):
+    """Linear -> RMS normalization and GPT-2's tanh GELU written out (TorchScript's export of them becomes
+    SimplifiedLayerNormalization and FastGelu in the training build's step) -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scale, self.out = nn.Linear(4, 8), nn.Parameter(torch.linspace(0.5, 1.5, 8)), nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.scale
+        return self.out(0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0)))))
+
+
 class Norms(nn.Module):
     """A 1x1 Conv1d on (N, 3, 5), then GroupNorm, InstanceNorm1d (affine) and LayerNorm without affine side by
     side, Tanh, flattened, Linear."""
@@ -306,6 +338,9 @@ MODELS: dict[str, Spec] = {
     "deconv": Spec(DeconvNet, (1, 6, 6), lr=0.1, summary=lambda X: 2 * X[:, :, 1:5, 1:5].mean(axis=(2, 3))),
     "pool_pad": Spec(PoolPad, (1, 6, 6), loss="cross_entropy", classes=3, lr=0.3,
                      summary=lambda X: 6 * X.mean(axis=(2, 3))),
+    "pooling": Spec(Pooling, (2, 7, 7), loss="cross_entropy", classes=3, lr=0.3,
+                    summary=lambda X: 7 * X.mean(axis=(2, 3))),
+    "rms_gelu": Spec(RMSGelu, (4,)),
     "conv3d": Spec(Conv3dNet, (1, 4, 4, 4), lr=0.1,
                    summary=lambda X: 4 * X[:, :, 1:3, 1:3, 1:3].mean(axis=(2, 3, 4))),
     "norms": Spec(Norms, (3, 5), summary=_standardized),

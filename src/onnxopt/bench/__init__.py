@@ -18,7 +18,7 @@ from onnxopt import atomic
 
 __all__ = ["main", "run"]
 
-DEFAULT_WORKLOADS = ["W1", "W2", "W3", "W4", "W5", "scaling"]
+DEFAULT_WORKLOADS = ["W1", "W2", "W3", "W4", "W5", "R1", "T1", "scaling"]
 COMPUTE_BOUND = ("W3", "W5")
 QUICK = "--quick, not a measurement"
 
@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
         "Time onnxopt's fused training step against PyTorch (eager, torch.compile), ORT on-device training "
         "and scikit-learn on the same data, model and initial weights; write a markdown page and PNG plots."))
     p.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS, metavar="NAME",
-                   help="W1 (its 3 optimizers), W1-sgd, W1-nesterov, W1-adam, W2, W3, W4, W5, scaling, batch-<B>, width-<w>")
+                   help="W1 (its 3 optimizers), W1-sgd, W1-nesterov, W1-adam, W2, W3, W4, W5, R1 (ResNet-style CNN), "
+                        "T1 (transformer encoder), scaling, batch-<B>, width-<w>")
     p.add_argument("--quick", action="store_true",
                    help="2 rounds of 1 epoch, no torch.compile: a smoke run, not a measurement")
     p.add_argument("--rounds", type=int, default=None,
@@ -67,7 +68,7 @@ def run(workloads, quick: bool = False, rounds: int | None = None, log=print):
             comps = [x for x in c.COMPETITORS if not (quick and x is c.TorchCompile)]
             comps += c.REFERENCES if wl.name.startswith(COMPUTE_BOUND) else []
         t0 = time.perf_counter()
-        log(f"{wl.name} ({wl.title}): sizes {wl.sizes}, batch {wl.batch}, {wl.n} samples, {wl.update}")
+        log(f"{wl.name} ({wl.title}): {wl.arch or 'sizes'} {wl.sizes}, batch {wl.batch}, {wl.n} samples, {wl.update}")
         res = run_workload(wl, comps, rounds, epochs=1 if quick else None, log=log)
         if quick and c.TorchCompile in c.COMPETITORS and not wl.name.startswith(("batch-", "width-")):
             from onnxopt.bench.timing import Result

@@ -58,6 +58,11 @@ def ort_kernels(model: onnx.ModelProto | str, threads: int = 1) -> int:
         return len(nodes if scan is None else next(a.g.node for a in scan.attribute if a.name == "body"))
 
 
+def _mlp_only(wl: Workload) -> None:
+    if wl.arch:
+        raise Skipped("set up for the MLP workloads only (W1-W5)")
+
+
 class Competitor:
     """Common interface; ``session_runs`` and ``nodes`` per step are None where they do not apply."""
 
@@ -173,7 +178,7 @@ class TorchEager(Competitor):
         torch.set_num_threads(wl.threads)
         self.torch = torch
         layers = []
-        n_layers = len(wl.sizes) - 1
+        n_layers = 0 if wl.arch else len(wl.sizes) - 1
         for k in range(n_layers):
             suffix = f"_{k}" if n_layers > 1 else ""
             lin = torch.nn.Linear(wl.sizes[k], wl.sizes[k + 1])
@@ -181,7 +186,8 @@ class TorchEager(Competitor):
                 lin.weight.copy_(torch.from_numpy(weights["coef" + suffix].T.copy()))
                 lin.bias.copy_(torch.from_numpy(np.array(weights["bias" + suffix])))
             layers += [lin, torch.nn.ReLU()]
-        self.model = torch.nn.Sequential(*layers[:-1])
+        # NOTE: a real model is the module onnxopt's export came from, its seed giving the same initial weights
+        self.model = wl.network().train() if wl.arch else torch.nn.Sequential(*layers[:-1])
         params = self.model.parameters()
         self.opt = {"sgd": lambda: torch.optim.SGD(params, lr=wl.lr),
                     "nesterov": lambda: torch.optim.SGD(params, lr=wl.lr, momentum=0.9, nesterov=True),
@@ -247,7 +253,7 @@ class TorchEager(Competitor):
 
     def weights(self):
         out = {}
-        linears = [m for m in self.model if isinstance(m, self.torch.nn.Linear)]
+        linears = [m for m in self.model.modules() if isinstance(m, self.torch.nn.Linear)]
         for k, lin in enumerate(linears):
             suffix = f"_{k}" if len(linears) > 1 else ""
             out["coef" + suffix] = lin.weight.detach().numpy().T.copy()
@@ -274,6 +280,7 @@ class OrtTraining(Competitor):
             from onnxruntime.training.api import CheckpointState, Module, Optimizer
         except ImportError as exc:
             raise Skipped(f"onnxruntime.training.api is not importable: {exc}") from exc
+        _mlp_only(wl)
         if wl.update == "nesterov":
             raise Skipped("ORT on-device training offers SGD and AdamW only (no momentum/Nesterov)")
         ort.set_default_logger_severity(3)
@@ -331,6 +338,7 @@ class Sklearn(Competitor):
             from sklearn.neural_network import MLPClassifier, MLPRegressor
         except ImportError as exc:
             raise Skipped("scikit-learn is not installed") from exc
+        _mlp_only(wl)
         from threadpoolctl import threadpool_limits
 
         self.limits = threadpool_limits(wl.threads)

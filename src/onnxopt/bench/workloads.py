@@ -1,4 +1,5 @@
 """The benchmark's workloads: model sizes, synthetic data with fixed seeds, loss, optimizer, timing block size.
+MLPs (W1-W5, scaling) and two real models (R1 a ResNet-style CNN, T1 a transformer encoder: ``networks``).
 
 Every competitor starts from ``initial_weights()`` (``examples.mlp``'s torch-like init, seed 0) and sees the
 same batches in the same order (no shuffling), so their loss curves can be compared step by step.
@@ -33,6 +34,7 @@ class Workload:
     lr: float
     epochs: int
     seed: int = 0
+    arch: str = ""  # "resnet" | "encoder": a torch network (bench.networks) on inputs shaped ``sizes[:-1]``
 
     @property
     def loss(self) -> str:
@@ -45,6 +47,8 @@ class Workload:
 
     @property
     def n_parameters(self) -> int:
+        if self.arch:
+            return sum(p.numel() for p in self.network().parameters())
         return sum(a * b + b for a, b in zip(self.sizes[:-1], self.sizes[1:]))
 
     @property
@@ -69,8 +73,19 @@ class Workload:
         """Floats a step keeps for backward: the batch, and each layer's output before and after ReLU."""
         return self.batch * (self.sizes[0] + 2 * sum(self.sizes[1:]))
 
+    def network(self):
+        """The torch module of a real-model workload (``bench.networks``), the same for every call."""
+        from onnxopt.bench.networks import build
+
+        return build(self.arch, self.sizes[-1], self.seed)
+
     def model(self) -> onnx.ModelProto:
         from onnxopt.examples import linear_regression, mlp
+
+        if self.arch:
+            from onnxopt.bench.networks import export
+
+            return export(self.network(), self.data()[0][:2], train=self.arch == "resnet")
 
         if len(self.sizes) == 2 and self.sizes[1] == 1:
             return linear_regression(self.sizes[0], seed=self.seed)
@@ -79,9 +94,10 @@ class Workload:
     def data(self) -> tuple[np.ndarray, np.ndarray]:
         """X (n, sizes[0]) float32 and targets: float32 values, {0, 1} floats or int64 classes."""
         rng = np.random.default_rng(1000 + self.seed)
-        X = rng.normal(size=(self.n, self.sizes[0])).astype(np.float32)
+        X = rng.normal(size=(self.n, *(self.sizes[:-1] if self.arch else self.sizes[:1]))).astype(np.float32)
+        flat = X.reshape(self.n, self.sizes[0], -1).mean(axis=2) if self.arch else X  # NOTE: images, sequences
         w = rng.normal(size=(self.sizes[0], self.sizes[-1])) / np.sqrt(self.sizes[0])
-        score = X @ w + 0.1 * rng.normal(size=(self.n, self.sizes[-1]))
+        score = flat @ w * (4 if self.arch else 1) + 0.1 * rng.normal(size=(self.n, self.sizes[-1]))
         if self.task == "regression":
             y = np.tanh(score[:, 0]) * 3 if len(self.sizes) > 2 else score[:, 0] * 2 + 1
             return X, y.astype(np.float32)
@@ -102,6 +118,9 @@ WORKLOADS = {w.name: w for w in [
     _w("W3", "mnist-mlp", [784, 512, 512, 10], "multiclass", 128, 8192, "sgd", 5e-2, 1),
     _w("W4", "binary-logreg", [20, 1], "binary", 32, 4096, "sgd", 1e-1, 4),
     _w("W5", "wide-mlp", [256, 1024, 1024, 1], "regression", 256, 4096, "sgd", 5e-3, 1),
+    # NOTE: sizes = one sample's shape, then the classes
+    Workload("R1", "resnet-cnn", (3, 32, 32, 10), "multiclass", 32, 512, "sgd", 5e-2, 1, arch="resnet"),
+    Workload("T1", "transformer-encoder", (32, 64, 10), "multiclass", 16, 256, "sgd", 5e-2, 1, arch="encoder"),
 ]}
 
 # NOTE: scaling points keep a block near 0.1-1 s of work; ~32 steps an epoch.

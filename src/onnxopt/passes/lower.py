@@ -21,7 +21,7 @@ import onnx_ir as ir
 from onnxopt.errors import ModelError
 
 __all__ = ["LOWERINGS", "LowerTrainingOpsPass", "lower_training_ops", "check_portable", "crops_as_slices",
-           "STANDARD_DOMAINS", "BROKEN_KERNELS", "BROKEN_FLOAT64_KERNELS"]
+           "STANDARD_DOMAINS", "BROKEN_KERNELS", "BROKEN_FLOAT64_KERNELS", "broken_kernels"]
 
 MS = "com.microsoft"
 STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
@@ -30,10 +30,11 @@ STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 class _Op:
     """``op.Add(a, b)``, ``op.Split(x, s, axis=1, _outputs=2)``: nodes recorded on a tape, for one lowered node."""
 
-    def __init__(self, node: ir.Node, inferred: dict[str, tuple] | None = None):
+    def __init__(self, node: ir.Node, inferred: dict[str, tuple] | None = None, mode: str = "portable"):
         self.tape = ir.tape.Tape()
         self.node = node
         self.inferred = inferred or {}
+        self.mode = mode  # NOTE: what an error names: "portable", or the default step replacing a kernel
 
     def dims(self, value: ir.Value) -> tuple | None:
         """``value``'s dimensions (ints, or None where unknown): its own shape, else ONNX shape inference's."""
@@ -136,6 +137,39 @@ def gelu_grad(op, dy, x):
     cdf = op.Mul(op.const(0.5, x), op.Add(op.const(1.0, x), op.Erf(op.Mul(x, op.const(math.sqrt(0.5), x)))))
     pdf = op.Mul(op.const(1 / math.sqrt(2 * math.pi), x), op.Exp(op.Mul(op.const(-0.5, x), op.Mul(x, x))))
     return op.Mul(dy, op.Add(cdf, op.Mul(x, pdf)))
+
+
+def _tanh_gelu_inner(op, x) -> ir.Value:
+    """tanh(√(2/π)·(x + 0.044715·x³)), the tanh approximation of GELU (GPT-2's ``NewGELU``)."""
+    cube = op.Mul(op.const(0.044715, x), op.Mul(x, op.Mul(x, x)))
+    return op.Tanh(op.Mul(op.const(math.sqrt(2 / math.pi), x), op.Add(x, cube)))
+
+
+def fast_gelu(op, x, bias=None):
+    """0.5·x·(1 + t), t = tanh(√(2/π)·(x + 0.044715·x³)), x plus the optional bias (FastGeluFusion's)."""
+    x = x if bias is None else op.Add(x, bias)
+    return op.Mul(op.Mul(op.const(0.5, x), x), op.Add(op.const(1.0, x), _tanh_gelu_inner(op, x)))
+
+
+def fast_gelu_grad(op, dy, x):
+    """dy·0.5·(1 + t + x·(1 − t²)·√(2/π)·(1 + 3·0.044715·x²))."""
+    t = _tanh_gelu_inner(op, x)
+    slope = op.Mul(op.const(math.sqrt(2 / math.pi), x), op.Add(op.const(1.0, x), op.Mul(op.const(3 * 0.044715, x),
+                                                                                         op.Mul(x, x))))
+    dt = op.Mul(x, op.Mul(op.Sub(op.const(1.0, x), op.Mul(t, t)), slope))
+    return op.Mul(dy, op.Mul(op.const(0.5, x), op.Add(op.Add(op.const(1.0, x), t), dt)))
+
+
+def bias_gelu(op, a, b):
+    return gelu(op, op.Add(a, b))
+
+
+def bias_gelu_grad(op, dy, x, b):
+    return gelu_grad(op, dy, op.Add(x, b))
+
+
+def bias_fast_gelu_grad(op, dy, x, b):
+    return fast_gelu_grad(op, dy, op.Add(x, b))
 
 
 def quick_gelu(op, x, alpha: float = 1.702):
@@ -266,23 +300,31 @@ def max_pool_grad(op, dy, indices, **_):
 
 
 def average_pool_grad(op, dy, kernel_shape, strides=None, pads=None, count_include_pad: int = 0, ceil_mode: int = 0,
-                      auto_pad: str = "NOTSET"):
-    """Each dy spread over its window (÷ window size): a ConvTranspose by ones on (N·C, 1, *S)."""
-    if ceil_mode or auto_pad not in ("NOTSET", "VALID"):
-        raise ModelError(f"portable: AveragePoolGrad node {op.node.name!r} has ceil_mode={ceil_mode}, "
-                         f"auto_pad={auto_pad!r}; expected 0 and NOTSET (export the model with explicit pads)")
+                      auto_pad: str = "NOTSET", dilations=None):
+    """Each dy ÷ its window's count spread over the window: a ConvTranspose by ones on (N·C, 1, *S). The count
+    is the kernel's size with count_include_pad=1 (onnxruntime's, ceil_mode's last windows too; torch clips
+    those to the pads), else the inputs the window covers: a Conv of ones by ones over X, zero-padded by the
+    pads and by what ceil_mode's last windows reach past them."""
+    if auto_pad not in ("NOTSET", "VALID"):
+        raise ModelError(f"{op.mode}: AveragePoolGrad node {op.node.name!r} has auto_pad={auto_pad!r}; expected "
+                         "NOTSET or VALID (export the model with explicit pads)")
     r = len(kernel_shape)
-    strides, pads = list(strides or [1] * r), list(pads or [0] * (2 * r))
+    strides, dilations = list(strides or [1] * r), list(dilations or [1] * r)
+    pads = list(pads or [0] * (2 * r))
     x = op.forward_input(op.node.outputs[0])
     ones = op.Expand(op.const(1.0, dy), op.ints([1, 1, *kernel_shape]))
     flat = op.Reshape(dy, op.Concat(op.ints([-1, 1]), op.Shape(dy, start=2), axis=0))
-    if count_include_pad or not any(pads):
+    if count_include_pad or not (ceil_mode or any(pads)):
         flat = op.Div(flat, op.const(float(np.prod(kernel_shape)), dy))
-    else:  # NOTE: windows over the padding hold fewer inputs: count them by pooling ones
-        first = op.Expand(op.const(1.0, dy), op.Concat(op.ints([1, 1]), op.Shape(x, start=2), axis=0))
-        fraction = op.AveragePool(first, kernel_shape=kernel_shape, strides=strides, pads=pads, count_include_pad=1)
-        flat = op.Div(flat, op.Mul(fraction, op.const(float(np.prod(kernel_shape)), dy)))
-    dx = _conv_transpose_to(op, flat, ones, x, r, strides=strides, pads=pads)
+    else:
+        size = op.Shape(x, start=2)
+        reach = [(k - 1) * d + 1 for k, d in zip(kernel_shape, dilations)]  # NOTE: a window's extent
+        end = op.Add(op.Mul(op.Sub(op.Shape(dy, start=2), op.ints([1] * r)), op.ints(strides)), op.ints(reach))
+        extra = op.Max(op.Sub(end, op.Add(size, op.ints([b + e for b, e in zip(pads[:r], pads[r:])]))), op.ints([0] * r))
+        count = op.Expand(op.const(1.0, dy), op.Concat(op.ints([1, 1]), size, axis=0))
+        count = op.Pad(count, op.Concat(op.ints([0, 0, *pads[:r], 0, 0]), op.Add(extra, op.ints(pads[r:])), axis=0))
+        flat = op.Div(flat, op.Conv(count, ones, strides=strides, dilations=dilations))
+    dx = _conv_transpose_to(op, flat, ones, x, r, strides=strides, pads=pads, dilations=dilations)
     return op.Reshape(dx, op.Shape(x))
 
 
@@ -339,15 +381,18 @@ def dropout_grad(op, dy, mask, ratio=None, training_mode=None, **_):
     return op.Div(op.Mul(op.CastLike(mask, dy), dy), op.CastLike(keep, dy))
 
 
+def _normalized_axes(op, scale, axis: int) -> ir.Value:
+    """The trailing axes a (Simplified)LayerNormalization normalizes: from ``axis`` < 0, else the scale's rank."""
+    k = -axis if axis < 0 else op.rank(scale)
+    if k is None:
+        raise ModelError(f"{op.mode}: {op.node.op_type} node {op.node.name!r} needs the rank of its scale")
+    return op.ints(range(-k, 0))
+
+
 def layer_norm_grad(op, dy, x, scale, mean, inv_std, axis: int = -1, **_):
     """x̂ = (x − mean)·inv_std; dx = inv_std·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)) with ĝ = dy·scale, means over the
     normalized axes; dscale = Σ dy·x̂ and dbias = Σ dy over the others."""
-    k = op.rank(scale)
-    if axis < 0:
-        k = -axis
-    if k is None:
-        raise ModelError(f"portable: LayerNormalizationGrad node {op.node.name!r} needs the rank of its scale")
-    axes = op.ints(range(-k, 0))
+    axes = _normalized_axes(op, scale, axis)
     xhat = op.Mul(op.Sub(x, mean), inv_std)
     g = op.Mul(dy, scale)
     inner = op.Sub(op.Sub(g, op.ReduceMean(g, axes, keepdims=1)),
@@ -359,6 +404,23 @@ def layer_norm_grad(op, dy, x, scale, mean, inv_std, axis: int = -1, **_):
     return dx, dscale, dbias
 
 
+def simplified_layer_norm(op, x, scale, axis: int = -1, epsilon: float = 1e-5, **_):
+    """RMS normalization (SimplifiedLayerNormFusion's): y = x·inv·scale, inv = 1/√(mean(x²) + ε) (output 2)."""
+    inv = op.Reciprocal(op.Sqrt(op.Add(op.ReduceMean(op.Mul(x, x), _normalized_axes(op, scale, axis), keepdims=1),
+                                       op.const(epsilon, x))))
+    return op.Mul(op.Mul(x, inv), scale), (inv if op.wanted(1) else None)
+
+
+def simplified_layer_norm_grad(op, dy, x, scale, inv_std, axis: int = -1, **_):
+    """x̂ = x·inv; dx = inv·(ĝ − x̂·mean(ĝ·x̂)), ĝ = dy·scale; dscale = Σ dy·x̂ over the other axes."""
+    xhat, g = op.Mul(x, inv_std), op.Mul(dy, scale)
+    dx = op.Mul(inv_std, op.Sub(g, op.Mul(xhat, op.ReduceMean(op.Mul(g, xhat), _normalized_axes(op, scale, axis),
+                                                                keepdims=1)))) if op.wanted(0) else None
+    rows = op.Concat(op.ints([-1]), op.Shape(scale), axis=0)
+    dscale = op.ReduceSum(op.Reshape(op.Mul(dy, xhat), rows), op.ints([0]), keepdims=0) if op.wanted(1) else None
+    return dx, dscale
+
+
 # NOTE: found by compiling steps for the models onnxopt supports (MLPs with every activation, losses, updates,
 # penalties, float32/64, torch.onnx exports of CNNs, LayerNorm, Gather/Slice/Concat models): see docs/portable.md
 LOWERINGS = {
@@ -368,6 +430,13 @@ LOWERINGS = {
     (MS, "LeakyReluGrad"): leaky_relu_grad,
     (MS, "Gelu"): gelu,
     (MS, "GeluGrad"): gelu_grad,
+    (MS, "FastGelu"): fast_gelu,
+    (MS, "FastGeluGrad"): fast_gelu_grad,
+    (MS, "BiasGelu"): bias_gelu,
+    (MS, "BiasGeluGrad_dX"): bias_gelu_grad,
+    (MS, "BiasFastGeluGrad_dX"): bias_fast_gelu_grad,
+    ("", "SimplifiedLayerNormalization"): simplified_layer_norm,
+    (MS, "SimplifiedLayerNormalizationGrad"): simplified_layer_norm_grad,
     (MS, "QuickGelu"): quick_gelu,
     (MS, "QuickGeluGrad"): quick_gelu_grad,
     (MS, "SoftmaxGrad_13"): softmax_grad,
@@ -406,7 +475,7 @@ def _inferred_dims(model: ir.Model) -> dict[str, tuple]:
             if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
 
 
-def _lower(node: ir.Node, inferred: dict[str, tuple]) -> None:
+def _lower(node: ir.Node, inferred: dict[str, tuple], mode: str = "portable") -> None:
     fn = LOWERINGS.get((node.domain, node.op_type))
     if fn is None:
         rnn = ("; a portable step unrolls GRU and LSTM (passes.decompose) with a static sequence length up to 64, "
@@ -415,7 +484,7 @@ def _lower(node: ir.Node, inferred: dict[str, tuple]) -> None:
         raise ModelError(f"portable: op {node.domain or 'ai.onnx'}::{node.op_type} (node {node.name!r}) has no "
                          f"lowering to standard ONNX yet (lowered ops: {sorted(op for _, op in LOWERINGS)}){rnn}; "
                          "compile with portable=False and train with onnxruntime-training")
-    op = _Op(node, inferred)
+    op = _Op(node, inferred, mode)
     attrs = {name: attr.value for name, attr in node.attributes.items()}
     outs = fn(op, *node.inputs, **attrs)
     outs = [outs] if isinstance(outs, ir.Value) else list(outs)
@@ -447,8 +516,10 @@ class LowerTrainingOpsPass(ir.passes.InPlacePass):
         todo = [n for n in model.graph if not _is_standard(n) and n.op_identifier() not in model.functions
                 and (self.ops is None or (n.domain, n.op_type) in self.ops)]
         inferred = _inferred_dims(model) if todo else {}
+        # NOTE: a set of ops is the default step replacing broken kernels (BROKEN_KERNELS), not a portable one
+        mode = "portable" if self.ops is None else "compile_train_step (replacing a training-build kernel)"
         for node in todo:
-            _lower(node, inferred)
+            _lower(node, inferred, mode)
         if todo and not any(n.domain == MS for n in model.graph):
             model.opset_imports.pop(MS, None)
         return ir.passes.PassResult(model, modified=bool(todo))
@@ -459,6 +530,11 @@ class LowerTrainingOpsPass(ir.passes.InPlacePass):
 # float64 kernel.
 BROKEN_KERNELS = {("", "AveragePoolGrad")}
 BROKEN_FLOAT64_KERNELS = {(MS, "LeakyReluGrad")}
+
+
+def broken_kernels(dtype: ir.DataType | None) -> set[tuple[str, str]]:
+    """The training-build kernels to lower in a graph whose weights are ``dtype``."""
+    return BROKEN_KERNELS | (BROKEN_FLOAT64_KERNELS if dtype == ir.DataType.DOUBLE else set())
 
 
 def lower_training_ops(model: ir.Model, ops: set[tuple[str, str]] | None = None) -> ir.Model:
