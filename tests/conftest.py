@@ -59,3 +59,6 @@ def pytest_sessionfinish(session, exitstatus):
     if new:
         print(f"\nthe test suite changed the checkout ({len(new)} entries of git status): {new[:10]}")
         session.exitstatus = 1
+
+# NOTE: scripts other processes run (one rank, the 3.13 environment's side): not test modules to import
+collect_ignore = ["distributed_worker.py", "portable_worker.py"]
