@@ -628,6 +628,10 @@ def split_models(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = ()
     return ir.to_proto(fwd), ir.to_proto(bwd), len(outputs), no_grad
 
 
+_ORT_TYPES = {f"tensor({name})": getattr(onnx.TensorProto, name.upper()) for name in
+              ("float", "double", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")}
+
+
 class SplitAgent:
     """``TrainingAgent``'s interface over two sessions of stock onnxruntime (``split_models``): ``forward``
     returns the outputs and keeps the forward values the backward reads; ``backward`` runs from them. Values
@@ -643,6 +647,11 @@ class SplitAgent:
         providers = (["CUDAExecutionProvider"] if device == "cuda" else []) + ["CPUExecutionProvider"]
         self._fwd = ort.InferenceSession(forward.SerializeToString(), opts, providers=providers,
                                          disabled_optimizers=["EliminateDropout"])  # NOTE: runner.KEEP_DROPOUT
+        # NOTE: a value ONNX inference left untyped, which the cut made an input: the type onnxruntime gave it
+        typed = {o.name: o.type for o in self._fwd.get_outputs()}
+        for value in backward.graph.input:
+            if not value.type.tensor_type.elem_type and typed.get(value.name) in _ORT_TYPES:
+                value.type.tensor_type.elem_type = _ORT_TYPES[typed[value.name]]
         self._bwd = ort.InferenceSession(backward.SerializeToString(), opts, providers=providers)
         self._feeds = list(feeds) if feeds is not None else [i.name for i in self._fwd.get_inputs()]
         self._outs = [o.name for o in self._fwd.get_outputs()]
