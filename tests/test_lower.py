@@ -364,4 +364,6 @@ def test_average_pool_auto_pad_refusal_names_the_mode():
     model = _with_weight(_pool_model((2, 2, 7, 6), dynamic=True, kernel_shape=[2, 2], auto_pad="SAME_UPPER"))
     with pytest.raises(ModelError, match=r"^compile_train_step \(replacing a training-build kernel\): "
                                          "AveragePoolGrad .* auto_pad='SAME_UPPER'"):
-        onnxopt.compile_train_step(model, loss="square")
+        onnxopt.compile_train_step(model, loss="square", gradient="builder")
+    with pytest.raises(ModelError, match=r"AveragePool node '[^']*' has auto_pad='SAME_UPPER'; expected NOTSET"):
+        onnxopt.compile_train_step(model, loss="square", gradient="onnxopt")  # NOTE: onnxopt's rule says it too
