@@ -13,8 +13,6 @@ import argparse
 import statistics
 import time
 
-import numpy as np
-
 import onnxopt
 from onnxopt.bench.competitors import _onnxopt_update, ort_kernels, runner_model
 from onnxopt.bench.workloads import select
@@ -51,14 +49,7 @@ def measure(name: str, turns: int) -> dict:
     for g in SOURCES:
         row[g]["epoch_s"] = statistics.median(row[g]["epoch_s"])
     row["ratio"] = row["onnxopt"]["epoch_s"] / row["builder"]["epoch_s"]
-    same = np.allclose(runners["onnxopt"].get_weights()[wl_first(runners)], runners["builder"].get_weights()[
-        wl_first(runners)], rtol=1e-3, atol=1e-4)
-    row["same_weights"] = bool(same)
     return row
-
-
-def wl_first(runners) -> str:
-    return sorted(runners["onnxopt"].get_weights())[0]
 
 
 def main(argv=None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 
 from onnxopt.autodiff.engine import rule
 from onnxopt.errors import ModelError
@@ -41,9 +42,7 @@ def _max_pool(c):
     if len(node.outputs) < 2:
         node.resize_outputs(2)
     indices = node.outputs[1]
-    from onnx_ir import DataType, TensorType
-
-    indices.type, indices.shape = TensorType(DataType.INT64), node.outputs[0].shape
+    indices.type, indices.shape = ir.TensorType(ir.DataType.INT64), node.outputs[0].shape
     x, dy = c.I(0), c.go(0)
     shape = c.Shape(x)
     flat = c.Expand(c.const(0.0, dy), c.ReduceProd(shape, keepdims=1))

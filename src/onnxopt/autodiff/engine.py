@@ -18,7 +18,7 @@ import onnx
 import onnx_ir as ir
 
 from onnxopt.errors import ModelError, NotDifferentiableError, WeightError
-from onnxopt.passes.lower import _Op
+from onnxopt.passes.lower import _Op, _unbroadcast
 
 __all__ = ["Rule", "RULES", "rule", "Ctx", "differentiate", "FLOATS"]
 
@@ -116,8 +116,6 @@ class Ctx(_Op):
                     shape = self.ints(xs) if all(isinstance(d, int) for d in xs) else self.Shape(x)
                     s = self.Reshape(s, shape)
                 return s
-        from onnxopt.passes.lower import _unbroadcast
-
         return _unbroadcast(self, g, x)
 
 
