@@ -15,11 +15,6 @@ TRAINING_BUILD = has_training_build()
 needs_training_build = pytest.mark.skipif(not TRAINING_BUILD, reason="needs onnxruntime-training (Python <= 3.12)")
 
 
-def pytest_sessionstart(session):
-    if os.environ.get("CI") == "true" and sys.version_info < (3, 13) and not TRAINING_BUILD:
-        pytest.exit("CI: below Python 3.13 the suite runs on onnxruntime-training, found stock onnxruntime", 2)
-
-
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
@@ -46,6 +41,8 @@ def _git_status() -> set[str] | None:
 
 
 def pytest_sessionstart(session):
+    if os.environ.get("CI") == "true" and sys.version_info < (3, 13) and not TRAINING_BUILD:
+        pytest.exit("CI: below Python 3.13 the suite runs on onnxruntime-training, found stock onnxruntime", 2)
     session.config._status_before = _git_status()
 
 
@@ -59,6 +56,7 @@ def pytest_sessionfinish(session, exitstatus):
     if new:
         print(f"\nthe test suite changed the checkout ({len(new)} entries of git status): {new[:10]}")
         session.exitstatus = 1
+
 
 # NOTE: scripts other processes run (one rank, the 3.13 environment's side): not test modules to import
 collect_ignore = ["distributed_worker.py", "portable_worker.py"]
