@@ -68,6 +68,7 @@ def _average_pool(c):
     kernel, strides, dilations, pads = _windows(c, r)
     ceil, include = c.attr("ceil_mode", 0), c.attr("count_include_pad", 0)
     flat = c.Reshape(dy, c.Concat(c.ints([-1, 1]), c.Shape(dy, start=2), axis=0))
+    ones_kernel = c.Expand(c.const(1.0, dy), c.ints([1, 1, *kernel]))
     if not ceil and (include or not any(pads)):
         flat = c.Div(flat, c.const(float(np.prod(kernel)), dy))
     else:
@@ -76,11 +77,10 @@ def _average_pool(c):
                   **({"dilations": dilations} if any(d != 1 for d in dilations) else {})}
         mean = c.AveragePool(ones, count_include_pad=include, **window)
         end = [p + s if ceil else p for p, s in zip(pads[r:], strides)]  # NOTE: room for ceil_mode's last window
-        counts = c.Conv(ones, c.Expand(c.const(1.0, dy), c.ints([1, 1, *kernel])), strides=strides,
+        counts = c.Conv(ones, ones_kernel, strides=strides,
                         pads=[*pads[:r], *end], dilations=dilations)
         counts = c.Slice(counts, c.ints([0] * r), c.Shape(mean, start=2), c.ints(range(2, r + 2)))
         flat = c.Div(c.Mul(flat, mean), counts)
-    ones_kernel = c.Expand(c.const(1.0, dy), c.ints([1, 1, *kernel]))
     dx = _conv_transpose_to(c, flat, ones_kernel, x, r, strides=strides, pads=pads, dilations=dilations)
     return [c.Reshape(dx, c.Shape(x))]
 

@@ -111,8 +111,9 @@ def _gather_elements(c):
     """dx = dy scatter-added into zeros along ``axis``."""
     x, idx = c.I(0), c.I(1)
     axis = c.attr("axis", 0)
-    n = c.Gather(c.Shape(x), c.ints([axis]))
-    idx = c.Where(c.Less(idx, c.Constant(value=_zero_like(c, idx))), c.Add(idx, c.CastLike(n, idx)), idx)
+    if not _non_negative(idx):  # NOTE: as Gather's: constant indices need no run-time normalization
+        n = c.Gather(c.Shape(x), c.ints([axis]))
+        idx = c.Where(c.Less(idx, c.Constant(value=_zero_like(c, idx))), c.Add(idx, c.CastLike(n, idx)), idx)
     return [gather_elements_grad(c, c.go(0), c.Shape(x), idx, axis=axis)]
 
 
