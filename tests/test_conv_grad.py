@@ -1,0 +1,103 @@
+"""A convolution's gradients (onnxopt's rules and the ConvGrad lowering share them) in float32 against torch
+autograd in float64 (onnxruntime has no float64 Conv kernel), over the forms its rule writes differently: dX as a Conv of the flipped kernel (stride 1) or as a
+ConvTranspose (strided, or pads past the kernel), dW as im2col + MatMul or, when the window matrix would be too
+large, as a Conv of X by dY."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import onnxopt
+from onnxopt.passes import lower
+
+torch = pytest.importorskip("torch")
+
+CASES = {
+    # id: (input shape, weight shape, Conv attributes)
+    "2d-same": ((2, 3, 7, 6), (4, 3, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "2d-strided": ((2, 3, 7, 6), (4, 3, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2])),
+    "2d-asymmetric-pads": ((2, 3, 7, 6), (4, 3, 3, 2), dict(pads=[0, 1, 2, 1])),
+    "2d-dilated": ((2, 3, 9, 8), (4, 3, 3, 3), dict(pads=[2, 2, 2, 2], dilations=[2, 2])),
+    "2d-groups": ((2, 4, 6, 6), (6, 2, 3, 3), dict(pads=[1, 1, 1, 1], group=2)),
+    "2d-depthwise-strided": ((2, 4, 7, 7), (4, 1, 3, 3), dict(pads=[1, 1, 1, 1], group=4, strides=[2, 1])),
+    "2d-1x1-strided": ((2, 3, 6, 6), (5, 3, 1, 1), dict(strides=[2, 2])),
+    "2d-1x1": ((2, 3, 5, 5), (5, 3, 1, 1), {}),
+    "2d-pads-past-kernel": ((2, 3, 5, 5), (4, 3, 2, 2), dict(pads=[2, 2, 2, 2])),
+    "1d": ((2, 3, 9), (4, 3, 3), dict(pads=[1, 2])),
+    "3d": ((1, 2, 4, 5, 4), (3, 2, 2, 3, 2), dict(pads=[0, 1, 0, 1, 1, 0], strides=[1, 2, 1])),
+}
+
+
+def _model(x_shape, w_shape, attrs, bias: bool) -> onnx.ModelProto:
+    inputs = ["X", "W", "B"] if bias else ["X", "W"]
+    node = helper.make_node("Conv", inputs, ["Y"], **attrs)
+    rng = np.random.default_rng(1)
+    inits = [onnx.numpy_helper.from_array(rng.normal(size=w_shape).astype(np.float32), "W")]
+    if bias:
+        inits.append(onnx.numpy_helper.from_array(rng.normal(size=w_shape[:1]).astype(np.float32), "B"))
+    graph = helper.make_graph([node], "conv", [helper.make_tensor_value_info("X", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def _torch_grads(x, w, b, dy, attrs):
+    r = x.ndim - 2
+    pads = attrs.get("pads", [0] * 2 * r)
+    begin, end = pads[:r], pads[r:]
+    conv = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}[r]
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    wt = torch.tensor(w, dtype=torch.float64, requires_grad=True)
+    bt = torch.tensor(b, dtype=torch.float64, requires_grad=True) if b is not None else None
+    # NOTE: torch pads symmetrically only: pad explicitly (F.pad takes the last axis first)
+    padded = torch.nn.functional.pad(xt, [p for i in reversed(range(r)) for p in (begin[i], end[i])])
+    y = conv(padded, wt, bt, stride=attrs.get("strides", 1), dilation=attrs.get("dilations", 1),
+             groups=attrs.get("group", 1))
+    y.backward(torch.tensor(dy, dtype=torch.float64))
+    return {"X_grad": xt.grad.numpy(), "W_grad": wt.grad.numpy(), **({"B_grad": bt.grad.numpy()} if b is not None else {})}
+
+
+@pytest.mark.parametrize("im2col", [True, False], ids=["im2col", "conv-of-x-by-dy"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_conv_gradients_match_torch(name, im2col, monkeypatch):
+    """dX, dW and dB of a Conv equal torch autograd's to float32 rounding (every form the rule writes)."""
+    if not im2col:
+        monkeypatch.setattr(lower, "IM2COL_FLOATS", 0)
+    x_shape, w_shape, attrs = CASES[name]
+    bias = name != "2d-groups"
+    model = _model(x_shape, w_shape, attrs, bias)
+    weights = ["W", "B"] if bias else ["W"]
+    grad = onnxopt.gradient_model(model, weights=weights, inputs=["X"], gradient="onnxopt")
+    session = ort.InferenceSession(grad.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=x_shape).astype(np.float32)
+    w = onnx.numpy_helper.to_array(model.graph.initializer[0])
+    b = onnx.numpy_helper.to_array(model.graph.initializer[1]) if bias else None
+    y_shape = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"X": x})[0].shape
+    dy = rng.normal(size=y_shape).astype(np.float32)
+    feeds = {"X": x, "W": w, "Y_grad": dy, **({"B": b} if bias else {})}
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    expected = _torch_grads(x, w, b, dy, attrs)
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], value, rtol=2e-5, atol=2e-5, err_msg=f"{name}: {key}")
+
+
+def test_weight_gradient_form_follows_the_window_matrix_size():
+    """Below ``IM2COL_FLOATS`` window values per sample the weight gradient is im2col (a depthwise Conv and a
+    MatMul), above it a Conv of X by dY (no window matrix): the kernels the step runs say which."""
+    model = _model((2, 3, 8, 8), (4, 3, 3, 3), dict(pads=[1, 1, 1, 1]), bias=False)
+
+    def ops():
+        grad = onnxopt.gradient_model(model, weights=["W"], gradient="onnxopt")
+        return sorted(n.op_type for n in grad.graph.node if n.op_type in ("Conv", "ConvTranspose", "MatMul"))
+
+    assert ops() == ["Conv", "MatMul"]  # NOTE: the window matrix, and the MatMul (Y itself is not needed)
+    lower_limit = 3 * 9 * 64 - 1  # NOTE: one float fewer than this model's windows per sample
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lower, "IM2COL_FLOATS", lower_limit)
+        assert ops() == ["Conv"]
