@@ -116,7 +116,9 @@ def _add_sub(c):
     """da = dy, db = ±dy, each summed over its broadcast axes."""
     dy = c.go(0)
     da = c.unbroadcast(dy, 0) if c.need(0) else None
-    db = c.unbroadcast(dy if c.node.op_type == "Add" else c.Neg(dy), 1) if c.need(1) else None
+    db = c.unbroadcast(dy, 1) if c.need(1) else None
+    if db is not None and c.node.op_type == "Sub":  # NOTE: negated after the sum: over b's size, not dy's
+        db = c.Neg(db)
     return [da, db]
 
 
@@ -130,6 +132,8 @@ def _sum(c):
 def _mul(c):
     """da = dy·b, db = dy·a."""
     dy, a, b = c.go(0), c.I(0), c.I(1)
+    if a is b:  # NOTE: a square: 2·a·dy in two kernels, where two parts and their sum take three
+        return [c.Mul(dy, c.Add(a, a)), None]
     return [c.unbroadcast(c.Mul(dy, b), 0) if c.need(0) else None,
             c.unbroadcast(c.Mul(dy, a), 1) if c.need(1) else None]
 
@@ -139,7 +143,7 @@ def _div(c):
     """da = dy / b, db = -dy·y / b."""
     dy, b = c.go(0), c.I(1)
     da = c.unbroadcast(c.Div(dy, b), 0) if c.need(0) else None
-    db = c.unbroadcast(c.Neg(c.Div(c.Mul(dy, c.O(0)), b)), 1) if c.need(1) else None
+    db = c.Neg(c.unbroadcast(c.Div(c.Mul(dy, c.O(0)), b), 1)) if c.need(1) else None
     return [da, db]
 
 

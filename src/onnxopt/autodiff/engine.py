@@ -169,9 +169,23 @@ def _active_nodes(graph: ir.Graph, wrt: set[ir.Value], types: dict) -> tuple[set
 
 
 def _sum(tape_op: _Op, parts: list[ir.Value]) -> ir.Value:
+    """The parts' sum. A part that only Expands a smaller gradient (a reduction's) is summed unexpanded
+    when another part has the full shape: Add and Sum broadcast it without writing the copy."""
     if len(parts) == 1:
         return parts[0]
+    expands = [_expanded(p) for p in parts]
+    if any(e is None for e in expands):
+        parts = [p if e is None else e for p, e in zip(parts, expands)]
     return tape_op.Add(*parts) if len(parts) == 2 else tape_op.Sum(*parts)
+
+
+def _expanded(part: ir.Value) -> ir.Value | None:
+    """The input of the Expand that alone produces and reads ``part``, or None."""
+    node = part.producer()
+    if node is None or node.op_type != "Expand" or node.domain not in ("", "ai.onnx") or part.uses() or \
+            part.is_graph_output():
+        return None
+    return node.inputs[0]
 
 
 def _rule_of(node: ir.Node) -> Rule | None:
