@@ -7,7 +7,7 @@ import onnx_ir as ir
 
 from onnxopt.autodiff.engine import rule
 from onnxopt.errors import ModelError
-from onnxopt.passes.lower import _conv_transpose_to, conv_grad
+from onnxopt.passes.lower import _conv_transpose_to, conv_grad, divide_by_window_counts
 
 F = "conv/pool"
 _CONV = ("kernel_shape", "strides", "pads", "dilations", "group", "auto_pad")
@@ -62,25 +62,15 @@ def _windows(c, r: int) -> tuple[list, list, list, list]:
 @rule("AveragePool", family=F)
 def _average_pool(c):
     """Each dY ÷ its window's divisor, spread over the window: a ConvTranspose by ones. The divisor is the
-    kernel size, or (pads not counted, ceil_mode) SumPool(1) / AveragePool(1), as the forward counts."""
+    kernel size, or (pads not counted, ceil_mode) as the forward counts (``passes.lower.divide_by_window_counts``,
+    which the lowered AveragePoolGrad uses too)."""
     x, dy = c.I(0), c.go(0)
     r = c.rank(x) - 2
     kernel, strides, dilations, pads = _windows(c, r)
     ceil, include = c.attr("ceil_mode", 0), c.attr("count_include_pad", 0)
     flat = c.Reshape(dy, c.Concat(c.ints([-1, 1]), c.Shape(dy, start=2), axis=0))
     ones_kernel = c.Expand(c.const(1.0, dy), c.ints([1, 1, *kernel]))
-    if not ceil and (include or not any(pads)):
-        flat = c.Div(flat, c.const(float(np.prod(kernel)), dy))
-    else:
-        ones = c.Expand(c.const(1.0, dy), c.Concat(c.ints([1, 1]), c.Shape(x, start=2), axis=0))
-        window = {"kernel_shape": kernel, "strides": strides, "pads": pads, "ceil_mode": ceil,
-                  **({"dilations": dilations} if any(d != 1 for d in dilations) else {})}
-        mean = c.AveragePool(ones, count_include_pad=include, **window)
-        end = [p + s if ceil else p for p, s in zip(pads[r:], strides)]  # NOTE: room for ceil_mode's last window
-        counts = c.Conv(ones, ones_kernel, strides=strides,
-                        pads=[*pads[:r], *end], dilations=dilations)
-        counts = c.Slice(counts, c.ints([0] * r), c.Shape(mean, start=2), c.ints(range(2, r + 2)))
-        flat = c.Div(c.Mul(flat, mean), counts)
+    flat = divide_by_window_counts(c, flat, x, dy, ones_kernel, kernel, strides, pads, dilations, ceil, include)
     dx = _conv_transpose_to(c, flat, ones_kernel, x, r, strides=strides, pads=pads, dilations=dilations)
     return [c.Reshape(dx, c.Shape(x))]
 
