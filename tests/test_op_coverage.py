@@ -456,7 +456,7 @@ def test_every_rewrite_and_gradient_definition_has_a_case():
     load_rewrites()
     covered = {case.op for case in CASES if case.domain == ""}
     assert sorted((set(REWRITES) | set(GRADIENTS)) - covered) == []
-    assert set(RULES) - set(REWRITES) == {"RNN"}  # NOTE: passes.decompose adds only RNN's unrolling
+    assert set(RULES) - set(REWRITES) <= {"RNN"}  # NOTE: passes.decompose adds RNN's unrolling at most
 
 
 RULED = [case for case in CASES if case.op not in ZERO and case.op not in NATURE and case.domain == ""

@@ -4,7 +4,8 @@
 ``linalg``, ``conv``, ``norm``, ``reduce``, ``shape``, ``signal``; ``templates`` runs the families' gradient
 definitions). Ops outside the table are first rewritten into ops inside it by the rewrites each family module
 registers at its end (``autodiff.rewrite``), which ``passes.decompose`` applies for both gradient sources
-(the training build's builder needs them too), so both see the same graph. ``differentiate`` builds the backward graph (see ``engine``).
+(the training build's builder needs them too), so both see the same graph. ``differentiate`` builds the
+backward graph (see ``engine``).
 """
 
 from __future__ import annotations
