@@ -21,9 +21,7 @@ def load_rules() -> dict:
     """Imports every family module (each registers its rules) once; returns ``RULES``."""
     global _loaded
     if not _loaded:
-        from onnxopt.autodiff import (  # noqa: F401
-            conv, elementwise, linalg, norm, reduce, shape, signal, templates,
-        )
+        from onnxopt.autodiff import conv, elementwise, linalg, norm, reduce, shape, templates  # noqa: F401
 
         templates.register()
         _loaded = True
