@@ -1,9 +1,11 @@
 """onnxopt's own reverse-mode differentiation over onnx-ir: standard ONNX backward graphs, no training build.
 
 ``RULES`` maps (domain, op_type) to a vector-Jacobian rule, one module per op family (``elementwise``,
-``linalg``, ``conv``, ``norm``, ``reduction``, ``shape``, ``templates``). Ops outside the table are first rewritten
-into ops inside it by ``passes.decompose`` (the rewrites the training build's builder needs too), so both
-gradient sources see the same graph. ``differentiate`` builds the backward graph (see ``engine``).
+``linalg``, ``conv``, ``norm``, ``reduce``, ``shape``, ``signal``; ``templates`` runs the families' gradient
+definitions). Ops outside the table are first rewritten into ops inside it by the rewrites each family module
+registers at its end (``autodiff.rewrite``), which ``passes.decompose`` applies for both gradient sources
+(the training build's builder needs them too), so both see the same graph. ``differentiate`` builds the
+backward graph (see ``engine``).
 """
 
 from __future__ import annotations

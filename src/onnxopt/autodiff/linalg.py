@@ -83,3 +83,70 @@ def _gemm(c):
         g = dy if beta == 1.0 else c.Mul(dy, c.const(beta, dy))
         dc = c.unbroadcast(g, 2)
     return [da, db, dc]
+
+
+# ==== rewrites ===========================================================================================
+# This family's ops rewritten before differentiation into ops that have rules (``passes.decompose`` applies
+# them for both gradient sources), and its gradient definitions given to the training build's builder too
+# (``autodiff.rewrite``). The rules above do not depend on this section.
+
+from onnxopt.autodiff.rewrite import _k, rewrite, template  # noqa: E402
+
+
+@rewrite("Trilu", family=F)
+def _trilu(op, node, x, k=None):
+    """Trilu as ``Where(mask, x, 0)`` with the mask built from row and column indices at run time."""
+    shape = op.Shape(x)
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    n_rows = op.Squeeze(op.Slice(shape, op.Constant(value_ints=[-2]), op.Constant(value_ints=[-1])))
+    n_cols = op.Squeeze(op.Slice(shape, op.Constant(value_ints=[-1]), op.Constant(value_ints=[2**62])))
+    rows = op.Unsqueeze(op.Range(zero, n_rows, one), op.Constant(value_ints=[1]))
+    cols = op.Range(zero, n_cols, one)
+    offset = op.Sub(cols, rows)
+    k = zero if k is None else k
+    mask = op.GreaterOrEqual(offset, k) if node.attributes.get_int("upper", 1) else op.LessOrEqual(offset, k)
+    return op.Where(mask, x, _k(op, 0.0, x))
+
+
+def _einsum_terms(node: ir.Node) -> tuple[list[str], str]:
+    equation = node.attributes.get_string("equation").replace(" ", "")
+    inputs, _, output = equation.partition("->")
+    terms = inputs.split(",")
+    if "->" not in equation:  # NOTE: implicit output: the letters seen once, in alphabetical order
+        letters = "".join(terms)
+        output = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return terms, output
+
+
+def _einsum_check(node: ir.Node) -> str | None:
+    terms, output = _einsum_terms(node)
+    if "." in "".join(terms) + output or any(len(set(t)) != len(t) for t in terms):
+        return "ellipsis and repeated letters in one operand (diagonals) are not rewritten"
+    return None
+
+
+@rewrite("Einsum", family=F, check=_einsum_check)
+def _einsum(op, node, *xs):
+    """Each operand transposed to one letter order and unsqueezed to every letter, multiplied (broadcast),
+    summed over the letters the output drops, transposed to the output's order."""
+    terms, output = _einsum_terms(node)
+    letters = list(dict.fromkeys("".join(terms)))
+    product = None
+    for x, term in zip(xs, terms):
+        ordered = sorted(term, key=letters.index)
+        y = op.Transpose(x, perm=[term.index(c) for c in ordered]) if list(term) != ordered else x
+        missing = [i for i, c in enumerate(letters) if c not in term]
+        y = op.Unsqueeze(y, op.Constant(value_ints=missing)) if missing else y
+        product = y if product is None else op.Mul(product, y)
+    summed = [i for i, c in enumerate(letters) if c not in output]
+    if summed:
+        product = op.ReduceSum(product, op.Constant(value_ints=summed), keepdims=0)
+    kept = [c for c in letters if c in output]
+    return op.Transpose(product, perm=[kept.index(c) for c in output]) if kept != list(output) else op.Identity(product)
+
+
+# ---- gradient definitions: (op_type, inputs, outputs[, {attribute: value}]) per node, GI(0) = dL/dI(0)
+
+# Det: d det(A)/dA = det(A)·A⁻ᵀ (NaN at a singular A, where the adjugate would be right)
+template("Det", [("com.microsoft:Inverse", ["I(0)"], ["inv"]), ("Mul", ["GO(0)", "O(0)"], ["g"]),
+                 ("Einsum", ["g", "inv"], ["GI(0)"], {"equation": "...,...ij->...ji"})], family=F)

@@ -184,3 +184,135 @@ def _scatter(c):
     d_data = scatter(dy, idx, c.Expand(c.const(0.0, dy), c.Shape(c.I(2))), **axis) if c.need(0) else None
     d_updates = gather(dy, idx, **axis) if c.need(2) else None
     return [d_data, None, d_updates]
+
+
+# ==== rewrites ===========================================================================================
+# This family's ops rewritten before differentiation into ops that have rules (``passes.decompose`` applies
+# them for both gradient sources), and its gradient definitions given to the training build's builder too
+# (``autodiff.rewrite``). The rules above do not depend on this section.
+
+from onnxopt.autodiff.rewrite import (  # noqa: E402
+    _ZERO, _has_rank, _int_input, _k, _needs, _rank, rewrite, template,
+)
+
+
+@rewrite("Range", family=F)
+def _range(op, node, start, limit, delta):
+    """start + i·delta for i < max(ceil((limit - start) / delta), 0), as the spec defines it: the builder
+    differentiates it in start and delta (limit only moves the length: zero gradient)."""
+    n = op.Cast(op.Max(op.Ceil(op.Div(op.Sub(limit, start), delta)), _k(op, 0.0, start)), to=ir.DataType.INT64)
+    i = op.Range(op.Constant(value_int=0), n, op.Constant(value_int=1))
+    return op.Add(start, op.Mul(op.CastLike(i, start), delta))
+
+
+def _transpose_check(node: ir.Node) -> str | None:
+    # NOTE: the builder's Transpose gradient reads 'perm' and fails (unordered_map::at) when it is omitted;
+    # an identity perm becomes Identity: ORT's GemmTransposeFusion folds it into a Gemm as a 2-D transpose
+    if "perm" in node.attributes:
+        perm = list(node.attributes.get_ints("perm"))
+        return None if perm == list(range(len(perm))) else "perm is given"
+    return _has_rank(node, 1)
+
+
+@rewrite("Transpose", family=F, check=_transpose_check)
+def _transpose_rewrite(op, node, x):
+    if "perm" in node.attributes:  # NOTE: the identity (_transpose_check)
+        return op.Identity(x)
+    return op.Transpose(x, perm=list(range(len(x.shape)))[::-1])
+
+
+@rewrite("Compress", family=F)
+def _compress(op, node, x, condition):
+    index = op.Reshape(op.NonZero(condition), op.Constant(value_ints=[-1]))
+    if "axis" not in node.attributes:
+        return op.Gather(op.Reshape(x, op.Constant(value_ints=[-1])), index, axis=0)
+    return op.Gather(x, index, axis=node.attributes.get_int("axis"))
+
+
+@rewrite("OneHot", family=F)
+def _one_hot(op, node, indices, depth, values):
+    code = op.OneHot(indices, depth, op.Constant(value_ints=[0, 1]), axis=node.attributes.get_int("axis", -1))
+    on, off = op.Gather(values, op.Constant(value_int=1)), op.Gather(values, op.Constant(value_int=0))
+    # NOTE: on·m + off·(1 - m), m in {0, 1}, is exact; the builder's Where gradient does not reduce broadcasts
+    m = op.Cast(code, to=values.dtype)
+    return op.Add(op.Mul(on, m), op.Mul(off, op.Sub(op.CastLike(op.Constant(value_int=1), values), m)))
+
+
+def _dims(op, x, blocks: int):
+    """N, C, H, W of a 4-D ``x`` as 1-element int64 tensors, and ``blocks`` as one."""
+    shape = op.Shape(x)
+    dims = [op.Slice(shape, op.Constant(value_ints=[i]), op.Constant(value_ints=[i + 1])) for i in range(4)]
+    return dims, op.Constant(value_ints=[blocks])
+
+
+@rewrite("DepthToSpace", family=F, check=lambda node: _has_rank(node, 4))
+def _depth_to_space(op, node, x):
+    b = node.attributes.get_int("blocksize")
+    (n, c, h, w), bb = _dims(op, x, b)
+    depth = op.Div(c, op.Constant(value_ints=[b * b]))
+    if node.attributes.get_string("mode", "DCR") == "DCR":
+        split, perm = [n, bb, bb, depth, h, w], [0, 3, 4, 1, 5, 2]
+    else:
+        split, perm = [n, depth, bb, bb, h, w], [0, 1, 4, 2, 5, 3]
+    y = op.Transpose(op.Reshape(x, op.Concat(*split, axis=0)), perm=perm)
+    return op.Reshape(y, op.Concat(n, depth, op.Mul(h, bb), op.Mul(w, bb), axis=0))
+
+
+@rewrite("SpaceToDepth", family=F, check=lambda node: _has_rank(node, 4))
+def _space_to_depth(op, node, x):
+    b = node.attributes.get_int("blocksize")
+    (n, c, h, w), bb = _dims(op, x, b)
+    h2, w2 = op.Div(h, bb), op.Div(w, bb)
+    y = op.Transpose(op.Reshape(x, op.Concat(n, c, h2, bb, w2, bb, axis=0)), perm=[0, 3, 5, 1, 2, 4])
+    return op.Reshape(y, op.Concat(n, op.Mul(c, op.Constant(value_ints=[b * b])), h2, w2, axis=0))
+
+
+@rewrite("ReverseSequence", family=F, check=_has_rank)
+def _reverse_sequence(op, node, x, lengths):
+    """GatherElements along the time axis with index lengths - 1 - t where t < lengths, else t."""
+    time_axis, rank = node.attributes.get_int("time_axis", 0), _rank(node)
+    steps = op.Squeeze(op.Slice(op.Shape(x), op.Constant(value_ints=[time_axis]), op.Constant(value_ints=[time_axis + 1])))
+    t = op.Range(op.Constant(value_int=0), steps, op.Constant(value_int=1))
+    t = op.Unsqueeze(t, op.Constant(value_ints=[1 - time_axis]))  # (T, 1) or (1, T)
+    lengths = op.Unsqueeze(lengths, op.Constant(value_ints=[time_axis]))  # (1, B) or (B, 1)
+    index = op.Where(op.Less(t, lengths), op.Sub(op.Sub(lengths, op.Constant(value_int=1)), t), t)
+    if rank > 2:
+        index = op.Unsqueeze(index, op.Constant(value_ints=list(range(2, rank))))
+    return op.GatherElements(x, op.Expand(index, op.Shape(x)), axis=time_axis)
+
+
+@rewrite("CenterCropPad", family=F,
+         check=_needs(1, static=True, reason="the target shape is not a constant or the input shape is not static"))
+def _center_crop_pad(op, node, x, shape):
+    """A Slice of the centred window where the input is larger, a zero Pad where it is smaller."""
+    dims, target = list(x.shape), _int_input(node, 1)
+    axes = [a % len(dims) for a in node.attributes.get_ints("axes", list(range(len(dims))))]
+    starts, ends, pads = [0] * len(dims), list(dims), [0] * 2 * len(dims)
+    for axis, size in zip(axes, target):
+        if size < dims[axis]:
+            starts[axis] = (dims[axis] - size) // 2
+            ends[axis] = starts[axis] + size
+        else:
+            pads[axis] = (size - dims[axis]) // 2
+            pads[len(dims) + axis] = size - dims[axis] - pads[axis]
+    y = op.Slice(x, op.Constant(value_ints=starts), op.Constant(value_ints=ends))
+    return op.Pad(y, op.Constant(value_ints=pads))
+
+
+@rewrite("Unique", family=F, outputs=(1, 2, 3, 4),
+         check=lambda node: None if node.outputs[0].uses() or node.outputs[0].is_graph_output() else
+         "the values are not read")
+def _unique(op, node, x):
+    """The values as a Gather of the input at their first occurrences (the op's ``indices``): the same values,
+    differentiable (a.e.: a tie changes the output's shape); the other outputs stay the op's."""
+    axis = node.attributes.get_int("axis", None)
+    outs = op.Unique(x, _outputs=4, **({} if axis is None else {"axis": axis}), sorted=node.attributes.get_int("sorted", 1))
+    source = op.Reshape(x, op.Constant(value_ints=[-1])) if axis is None else x
+    return (op.Gather(source, outs[1], axis=axis or 0), *outs[1:])[:len(node.outputs)]
+
+
+# ---- gradient definitions: (op_type, inputs, outputs[, {attribute: value}]) per node, GI(0) = dL/dI(0)
+
+
+for _op in ("EyeLike",):
+    template(_op, _ZERO, family=F)

@@ -1,6 +1,7 @@
-"""Rules written as node templates over ``I(i)``, ``O(i)``, ``GO(i)`` -> ``GI(i)``: ``passes.decompose.GRADIENTS``
-(Asin, Sinh, Softplus, Mish, Mod, Det, zero gradients of Floor, Round, random draws...), the same table
-the training build's builder is given."""
+"""Rules written as node templates over ``I(i)``, ``O(i)``, ``GO(i)`` -> ``GI(i)``:
+``autodiff.rewrite.GRADIENTS`` (Asin, Sinh, Softplus, Mish, Mod, Det, zero gradients of Floor, Round, random
+draws...), registered by the family modules and given to the training build's builder too; each rule takes
+its template's family."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def _run(template: list[tuple]):
 
 
 def register() -> None:
-    from onnxopt.passes.decompose import GRADIENTS
+    from onnxopt.autodiff.rewrite import GRADIENTS, TEMPLATE_FAMILIES, load_rewrites
 
+    load_rewrites()
     for op_type, template in GRADIENTS.items():
-        doc = "as given to the training build (passes.decompose.GRADIENTS)"
-        RULES["", op_type] = Rule(op_type, _run(template), "templates", "", None, doc)
+        doc = "a gradient definition, as given to the training build (autodiff.rewrite.GRADIENTS)"
+        RULES["", op_type] = Rule(op_type, _run(template), TEMPLATE_FAMILIES[op_type], "", None, doc)

@@ -1,6 +1,7 @@
 """Graph passes of the compiler, one idea per module, each ``ir.Model -> ir.Model`` in the onnx-ir style.
 
-- ``decompose``: ops the gradient builder lacks or gets wrong, rewritten into differentiable standard ONNX;
+- ``decompose``: ops the gradient builder lacks or gets wrong, rewritten into differentiable standard ONNX
+  (the rewrites the ``onnxopt.autodiff`` family modules register);
 - ``modes``: training and evaluation mode (Dropout, BatchNormalization) before differentiation;
 - ``lower``: training-only ops of the builder's backward graph lowered to standard ONNX (portable steps).
 - ``update``: multi-tensor updates (one elementwise rule over all weights concatenated) and the Runner's

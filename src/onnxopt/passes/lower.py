@@ -105,6 +105,33 @@ def _conv_transpose_to(op, dy, w, x, r: int, **attrs) -> ir.Value:
     return op.Pad(dx, op.Concat(op.ints([0] * (r + 2)), op.ints([0, 0]), missing, axis=0))
 
 
+def divide_by_window_counts(op, flat, x, dy, ones, kernel_shape, strides, pads, dilations, ceil_mode: int,
+                            count_include_pad: int) -> ir.Value:
+    """``flat`` (AveragePool's output gradient dy as (N·C, 1, *S)) ÷ the divisor of each window, as the forward
+    AveragePool of ``x`` counts it; ``ones``: the (1, 1, *kernel_shape) kernel of ones. The divisor is the kernel's
+    size, or (pads not counted, ceil_mode) the inputs each window covers: a Conv of ones by ``ones`` over x,
+    zero-padded by the pads and by what ceil_mode's last windows reach past them. With count_include_pad=1 and
+    ceil_mode the last windows' divisor differs between onnxruntime versions (1.19 divides by the kernel's
+    size, newer ones clip the window to the pads): there it is read from the forward op, the covered inputs ÷
+    AveragePool(ones) (a window's mean of ones is covered / divisor)."""
+    r = len(kernel_shape)
+    if not ceil_mode and (count_include_pad or not any(pads)):
+        return op.Div(flat, op.const(float(np.prod(kernel_shape)), dy))
+    size = op.Shape(x, start=2)
+    reach = [(k - 1) * d + 1 for k, d in zip(kernel_shape, dilations)]  # NOTE: a window's extent
+    end = op.Add(op.Mul(op.Sub(op.Shape(dy, start=2), op.ints([1] * r)), op.ints(strides)), op.ints(reach))
+    extra = op.Max(op.Sub(end, op.Add(size, op.ints([b + e for b, e in zip(pads[:r], pads[r:])]))), op.ints([0] * r))
+    count = op.Expand(op.const(1.0, dy), op.Concat(op.ints([1, 1]), size, axis=0))
+    covered = op.Pad(count, op.Concat(op.ints([0, 0, *pads[:r], 0, 0]), op.Add(extra, op.ints(pads[r:])), axis=0))
+    covered = op.Conv(covered, ones, strides=strides, dilations=dilations)
+    if not count_include_pad:
+        return op.Div(flat, covered)
+    window = {"kernel_shape": list(kernel_shape), "strides": strides, "pads": pads, "ceil_mode": ceil_mode,
+              **({"dilations": dilations} if any(d != 1 for d in dilations) else {})}
+    mean = op.AveragePool(count, count_include_pad=1, **window)
+    return op.Div(op.Mul(flat, mean), covered)
+
+
 def relu_grad(op, dy, y):
     """dy where y > 0, else 0; dy·Sign(y) when y is a Relu's output (what the builder passes)."""
     source = y.producer()
@@ -363,10 +390,8 @@ def max_pool_grad(op, dy, indices, **_):
 
 def average_pool_grad(op, dy, kernel_shape, strides=None, pads=None, count_include_pad: int = 0, ceil_mode: int = 0,
                       auto_pad: str = "NOTSET", dilations=None):
-    """Each dy ÷ its window's count spread over the window: a ConvTranspose by ones on (N·C, 1, *S). The count
-    is the kernel's size with count_include_pad=1 (onnxruntime's, ceil_mode's last windows too; torch clips
-    those to the pads), else the inputs the window covers: a Conv of ones by ones over X, zero-padded by the
-    pads and by what ceil_mode's last windows reach past them."""
+    """Each dy ÷ its window's count spread over the window: a ConvTranspose by ones on (N·C, 1, *S), the counts
+    as the forward AveragePool takes them (``divide_by_window_counts``)."""
     if auto_pad not in ("NOTSET", "VALID"):
         raise ModelError(f"{op.mode}: AveragePoolGrad node {op.node.name!r} has auto_pad={auto_pad!r}; expected "
                          "NOTSET or VALID (export the model with explicit pads)")
@@ -376,16 +401,8 @@ def average_pool_grad(op, dy, kernel_shape, strides=None, pads=None, count_inclu
     x = op.forward_input(op.node.outputs[0])
     ones = op.Expand(op.const(1.0, dy), op.ints([1, 1, *kernel_shape]))
     flat = op.Reshape(dy, op.Concat(op.ints([-1, 1]), op.Shape(dy, start=2), axis=0))
-    if count_include_pad or not (ceil_mode or any(pads)):
-        flat = op.Div(flat, op.const(float(np.prod(kernel_shape)), dy))
-    else:
-        size = op.Shape(x, start=2)
-        reach = [(k - 1) * d + 1 for k, d in zip(kernel_shape, dilations)]  # NOTE: a window's extent
-        end = op.Add(op.Mul(op.Sub(op.Shape(dy, start=2), op.ints([1] * r)), op.ints(strides)), op.ints(reach))
-        extra = op.Max(op.Sub(end, op.Add(size, op.ints([b + e for b, e in zip(pads[:r], pads[r:])]))), op.ints([0] * r))
-        count = op.Expand(op.const(1.0, dy), op.Concat(op.ints([1, 1]), size, axis=0))
-        count = op.Pad(count, op.Concat(op.ints([0, 0, *pads[:r], 0, 0]), op.Add(extra, op.ints(pads[r:])), axis=0))
-        flat = op.Div(flat, op.Conv(count, ones, strides=strides, dilations=dilations))
+    flat = divide_by_window_counts(op, flat, x, dy, ones, kernel_shape, strides, pads, dilations, ceil_mode,
+                                   count_include_pad)
     dx = _conv_transpose_to(op, flat, ones, x, r, strides=strides, pads=pads, dilations=dilations)
     return op.Reshape(dx, op.Shape(x))
 
