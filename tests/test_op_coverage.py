@@ -9,7 +9,7 @@ table of docs/ops.md, which must be equal: regenerate it with ``python tests/tes
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -68,10 +68,11 @@ class Case:
     outputs: int = 1
     domain: str = ""
     dtype: int = TensorProto.DOUBLE
+    opset: int = 21
 
 
-def c(op, *inputs, outputs=1, domain="", **attrs) -> Case:
-    return Case(op, list(inputs), attrs, outputs, domain)
+def c(op, *inputs, outputs=1, domain="", opset=21, **attrs) -> Case:
+    return Case(op, list(inputs), attrs, outputs, domain, opset=opset)
 
 
 X = "n:2,3"
@@ -143,6 +144,12 @@ CASES = [
     c("Tile", X, np.array([2, 1], I64)), c("TopK", "n:2,5", np.array([2], I64), outputs=2), c("Transpose", X),
     c("Trilu", "n:3,4"), c("Unique", "n:2,3", outputs=4), c("Unsqueeze", X, np.array([1], I64)),
     c("Where", np.array([[True, False, True]]), X, "n:2,3"),
+    # opset 23 forms torch's exporter writes (nn.TransformerEncoderLayer, F.scaled_dot_product_attention,
+    # nn.RMSNorm); attribute variants: tests/test_opset23.py. Grouped-query heads, a float mask, causal:
+    c("Attention", "n:1,2,3,4", "n:1,1,4,4", "n:1,1,4,3", "n:3,4", is_causal=1, opset=23),
+    c("RMSNormalization", "n:2,3,4", "n:4", stash_type=TensorProto.DOUBLE, opset=23),
+    c("RotaryEmbedding", "n:1,2,3,4", np.cos(np.arange(6.0)).reshape(1, 3, 2),
+      np.sin(np.arange(6.0)).reshape(1, 3, 2), opset=23),
     # ai.onnx.ml ops skl2onnx emits for differentiable models (LinearRegressor/Classifier: see test_ml_rules.py)
     # NOTE: their outputs are float32 whatever the input: checked in float32
     Case("Normalizer", ["p:2,3"], {"norm": "L2"}, 1, ML, TensorProto.FLOAT),
@@ -158,7 +165,7 @@ def _value(kind_shape: str, rng) -> np.ndarray:
 
 
 def _opsets(case: Case) -> list:
-    opsets = [oh.make_opsetid("", 21)]
+    opsets = [oh.make_opsetid("", case.opset)]
     return opsets + [oh.make_opsetid(ML, 3)] if case.domain == ML else opsets
 
 
@@ -279,7 +286,7 @@ def _reference(case: Case, feeds: dict, zero: bool):
     """``run`` of onnx's reference runtime on the float64 version of the model."""
     from onnx.reference import ReferenceEvaluator
 
-    case64 = Case(case.op, case.inputs, case.attrs, case.outputs, case.domain, TensorProto.DOUBLE)
+    case64 = replace(case, dtype=TensorProto.DOUBLE)
     return ReferenceEvaluator(_model(case64, {k: v.astype(np.float64) for k, v in feeds.items()}, zero)).run
 
 
@@ -328,7 +335,7 @@ def measure(case: Case) -> str:
     except Exception as exc:
         if case.dtype == TensorProto.FLOAT:
             return _failure(exc)
-        status = measure(Case(case.op, case.inputs, case.attrs, case.outputs, case.domain, TensorProto.FLOAT))
+        status = measure(replace(case, dtype=TensorProto.FLOAT))
         if status not in EXACT and status != "zero gradient":
             return status
         # NOTE: no float64 forward kernel in onnxruntime: float64 models cannot hold the op at all
@@ -452,7 +459,7 @@ RULED = [case for case in CASES if case.op not in ZERO and case.op not in NATURE
 def test_float32_gradient_matches_finite_differences(case):
     """Every exact op in float32 too: onnxopt's float32 gradient against float64 finite differences of onnx's
     reference (or, where the reference lacks the op, float32 differences of onnxruntime)."""
-    case32 = Case(case.op, case.inputs, case.attrs, case.outputs, case.domain, TensorProto.FLOAT)
+    case32 = replace(case, dtype=TensorProto.FLOAT)
     try:
         _check(case32, False)
     except NoForwardKernel as exc:
@@ -480,7 +487,7 @@ def test_rules_match_the_builder(case):
     gradient is off by ~3e-8 relative: 1e-6)."""
     compared = 0
     for dtype, rtol in ((TensorProto.DOUBLE, 1e-6), (TensorProto.FLOAT, 1e-5)):
-        typed = Case(case.op, case.inputs, case.attrs, case.outputs, case.domain, dtype)
+        typed = replace(case, dtype=dtype)
         try:
             expected = _gradients(typed, "builder")
         except Exception:  # NOTE: no builder gradient, or no kernel for it or for the forward in this type

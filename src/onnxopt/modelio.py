@@ -22,13 +22,16 @@ DSL_OPSET = 18
 # Highest IR version and default-domain opset each onnxruntime release loads (from its release notes).
 # NOTE: protobuf refuses to serialize a message of 2 GB or more; ORT's builder and sessions take one.
 PROTOBUF_LIMIT = 2**31
-_LIMITS = {(1, 17): (9, 20), (1, 18): (10, 21), (1, 19): (10, 21), (1, 20): (10, 21), (1, 21): (10, 22)}
+# NOTE: 1.32 measured: it loads opset 26 and IR 13; onnx 1.19 (opsets <= 24) is the cap, IR 10 is what torch writes
+_LIMITS = {(1, 17): (9, 20), (1, 18): (10, 21), (1, 19): (10, 21), (1, 20): (10, 21), (1, 21): (10, 22),
+           (1, 32): (10, 24)}
 
 
 def runtime_limits() -> tuple[int, int]:
     """Returns (max IR version, max opset) of the installed onnxruntime."""
     major, minor = (int(x) for x in onnxruntime.__version__.split(".")[:2])
-    return _LIMITS.get((major, minor), (10, 21))
+    newest = max(_LIMITS)
+    return _LIMITS.get((major, minor), _LIMITS[newest] if (major, minor) > newest else (10, 21))
 
 
 def require_training_build(what: str) -> None:
