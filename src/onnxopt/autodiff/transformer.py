@@ -1,4 +1,4 @@
-"""The opset 23-24 transformer ops torch's exporter writes: Attention, RMSNormalization, RotaryEmbedding.
+"""The opset 23-24 transformer ops torch's exporter writes: Attention, RMSNormalization, RotaryEmbedding (and Swish-24).
 
 Each rule keeps the fused forward op and writes its backward in standard ops:
 
@@ -188,3 +188,12 @@ def _rotary_embedding(c):
     inputs = [c.go(0), cos, c.Neg(sin)] + ([position_ids] if position_ids is not None else [])
     attrs = c.attrs("interleaved", "rotary_embedding_dim", "num_heads")
     return [c.RotaryEmbedding(*inputs, **attrs)]
+
+
+@rule("Swish", family="elementwise")
+def _swish(c):
+    """y = x·σ(αx) (opset 24): dx = dy·(σ + αx·σ·(1 - σ))."""
+    x, dy = c.I(0), c.go(0)
+    s = c.Sigmoid(c.Mul(x, c.const(c.attr("alpha", 1.0), x)))
+    ax_s = c.Mul(c.Mul(x, c.const(c.attr("alpha", 1.0), x)), s)
+    return [c.Mul(dy, c.Add(s, c.Mul(ax_s, c.Sub(c.const(1.0, s), s))))]
