@@ -253,7 +253,7 @@ def _changed_cases() -> list[Case]:
     exact = documented_statuses()
     cases = [replace(case, opset=newest) for case in CASES if case.op in changed and case.opset < 22
              and case.op not in ZERO and case.op not in NATURE and exact.get(case.op, "").split(",")[0] in EXACT]
-    return cases + [Case("Swish", ["n:2,3"], {"alpha": 0.7}, opset=24)]
+    return cases
 
 
 @needs_opset23
