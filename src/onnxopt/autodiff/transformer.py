@@ -1,12 +1,12 @@
-"""The opset 23-24 transformer ops torch's exporter writes: Attention, RMSNormalization, RotaryEmbedding (and Swish-24).
+"""The opset 23-24 ops torch's exporter writes: Attention, RMSNormalization, RotaryEmbedding (and Swish-24).
 
 Each rule keeps the fused forward op and writes its backward in standard ops:
 
 - ``Attention``: the forward node is asked for its softmax probabilities P (output ``qk_matmul_output`` with
   ``qk_matmul_output_mode=3``; the scores after ``softcap`` with mode 2 when a softcap is set), so masks, causal
-  alignment and ``nonpad_kv_seqlen`` are the kernel's own (a key/value cache is refused); the backward is two batched products for
-  dV and dP, the softmax's VJP, and two for dQ and dK (GQA: K and V repeated per query head, their gradients
-  summed back per group).
+  alignment and ``nonpad_kv_seqlen`` are the kernel's own (a key/value cache is refused); the backward is
+  two batched products for dV and dP, the softmax's VJP, and two for dQ and dK (GQA: K and V repeated per
+  query head, their gradients summed back per group).
 - ``RMSNormalization``: ``1/rms`` recomputed from ``x``; ``dx = r·(ĝ - n·mean(ĝ·n))``, ĝ = dy·scale, n = x·r.
 - ``RotaryEmbedding``: linear in ``x`` with an orthogonal rotation per pair, so ``dx`` is the same op applied to
   ``dy`` with ``-sin`` (the transposed rotation).
@@ -121,13 +121,12 @@ def _attention(c):
     p = c.Softmax(scores, axis=-1) if softcap > 0 else scores
     dy = c.go(0)
     dy4 = _heads_4d(c, dy, hq) if three else dy
-    kh, vh = _repeat_heads(c, k_all, q4, groups), _repeat_heads(c, v_all, q4, groups)
     dk_all = dv_all = dq = dmask = None
     if c.need(2):
         dv_all = _sum_heads(c, _product(c, p, dy4, True, False, (4, 4), double), v_all, groups)
         dv_all = dv_all if c.GO(2) is None else c.Add(dv_all, c.GO(2))  # NOTE: present_value is V (B, H, L, D)
     if c.need(0) or c.need(1) or c.need(3):
-        dp = _product(c, dy4, vh, False, True, (4, 4), double)
+        dp = _product(c, dy4, _repeat_heads(c, v_all, q4, groups), False, True, (4, 4), double)
         ds = c.Mul(p, c.Sub(dp, c.ReduceSum(c.Mul(dp, p), c.ints([-1]), keepdims=1)))
         if softcap > 0:
             t = c.Div(scores, c.const(softcap, scores))
@@ -142,7 +141,7 @@ def _attention(c):
         else:
             s = c.const(float(scale), q)
         if c.need(0):
-            dq = c.Mul(_product(c, ds, kh, False, False, (4, 4), double), s)
+            dq = c.Mul(_product(c, ds, _repeat_heads(c, k_all, q4, groups), False, False, (4, 4), double), s)
             dq = _back_3d(c, dq, q) if three else dq
         if c.need(1):
             dk_all = _sum_heads(c, c.Mul(_product(c, ds, q4, True, False, (4, 4), double), s), k_all, groups)
