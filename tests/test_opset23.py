@@ -21,6 +21,7 @@ from onnx import TensorProto
 
 import onnxopt
 from onnxopt.errors import ModelVersionError, NotDifferentiableError
+from onnxopt.passes.lower import check_portable
 from onnxopt.modelio import _NO_KERNEL_AFTER_21, load_model, runtime_limits
 import test_op_coverage as C
 from test_op_coverage import Case, _check
@@ -145,6 +146,13 @@ def test_first_sgd_step_follows_torch(name, opset):
         np.testing.assert_allclose(trained[wname], after[places], rtol=0, atol=1e-4 * moved + 1e-7,
                                    err_msg=f"weight {wname!r}")
         assert np.abs(trained[wname] - initial[wname]).max() > 0.5 * moved, wname
+    # NOTE: the portable step (standard ONNX only) is the same step
+    portable = onnxopt.compile_train_step(model, loss="square", update="sgd", learning_rate=lr, portable=True)
+    check_portable(portable.model)
+    again = onnxopt.Runner(portable)
+    np.testing.assert_allclose(again.step(X, y), loss, rtol=1e-6)
+    for wname, value in again.get_weights().items():
+        np.testing.assert_allclose(value, trained[wname], rtol=1e-5, atol=1e-7, err_msg=wname)
 
 
 # -- each rule's attribute variants against float64 finite differences -------------------------------------------
