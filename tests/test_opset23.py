@@ -282,3 +282,31 @@ def test_ops_changed_since_opset21_match_finite_differences(case):
         _check(case, False)
     except NoForwardKernel:
         _check(replace(case, dtype=TensorProto.FLOAT), False)
+
+
+@needs_opset23
+def test_skl2onnx_default_opset_trains_as_opset_18():
+    """skl2onnx writes opset 22 by default (ai.onnx.ml beside): loaded as is on stock onnxruntime, its steps
+    equal those of the same pipeline converted at opset 18."""
+    from skl2onnx import to_onnx
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(64, 4)).astype(np.float32)
+    y = (X.sum(1) > 0).astype(np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = make_pipeline(StandardScaler(), LogisticRegression(C=0.1)).fit(X, y)
+    losses = {}
+    for opset in (None, 18):
+        model = to_onnx(est, X[:1], options={"zipmap": False}, target_opset=opset)
+        if opset is None:
+            assert {i.domain: i.version for i in model.opset_import}[""] >= 22
+            assert load_model(model).opset_imports[""] >= 22
+        step = onnxopt.compile_train_step(model, loss="cross_entropy", learning_rate=0.05, output="probabilities")
+        runner = onnxopt.Runner(step)
+        losses[opset] = [runner.step(X, y) for _ in range(3)]
+    np.testing.assert_allclose(losses[None], losses[18], rtol=1e-6)
+    assert losses[18][2] < losses[18][0]
