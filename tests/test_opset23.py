@@ -310,3 +310,36 @@ def test_skl2onnx_default_opset_trains_as_opset_18():
         losses[opset] = [runner.step(X, y) for _ in range(3)]
     np.testing.assert_allclose(losses[None], losses[18], rtol=1e-6)
     assert losses[18][2] < losses[18][0]
+
+
+@needs_opset23
+def test_hf_llama_with_sdpa_at_opset23_gradients_equal_autograd():
+    """transformers' Llama (grouped-query heads, its own RMSNorm, the causal mask it computes from the
+    attention mask) with attn_implementation "sdpa": exported as Attention + RMSNormalization at opset 23, its
+    first step's gradients equal torch autograd."""
+    import torch
+    from zoo import models_hf as H
+    from zoo.common import assert_gradients, gradient_out
+    from zoo.models import load_into
+    from zoo.test_hf_zoo import _flat_grads, _locate
+
+    module = H.make_module("llama")
+    module.model.config._attn_implementation = "sdpa"
+    X, y = H.make_data("llama", n=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = torch.onnx.export(module, (torch.from_numpy(X[:4]),), dynamo=True, opset_version=23, verbose=False,
+                                  dynamic_shapes=({0: torch.export.Dim("batch")},)).model_proto
+    assert {"Attention", "RMSNormalization"} <= {n.op_type for n in model.graph.node}
+    step = onnxopt.compile_train_step(model, loss="cross_entropy", mode="eval", update=gradient_out)
+    initial, runner = step.initial_weights(), onnxopt.Runner(step)
+    loss = runner.step(X, y)
+    grads = runner.get_weights()
+    where = _locate(module, initial)
+    load_into(module, initial, where)
+    module.zero_grad()
+    ref = torch.nn.functional.cross_entropy(module(torch.from_numpy(X)), torch.from_numpy(y))
+    ref.backward()
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
+    expected = _flat_grads(module)
+    assert_gradients(grads, expected, where, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
