@@ -343,3 +343,37 @@ def test_hf_llama_with_sdpa_at_opset23_gradients_equal_autograd():
     np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
     expected = _flat_grads(module)
     assert_gradients(grads, expected, where, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+
+
+@needs_opset23
+def test_two_attentions_reading_one_query_get_distinct_probability_outputs():
+    """Each Attention node's added probabilities output gets its own name (the model stays in SSA form), and
+    the weight both read gets the sum of their gradients (float64 central differences)."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(1, 2, 3, 4))
+    nodes = [oh.make_node("Attention", ["Q", "W", "W"], ["a"]), oh.make_node("Attention", ["Q", "a", "W"], ["b"]),
+             oh.make_node("Add", ["a", "b"], ["Y"])]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("Q", TensorProto.DOUBLE, [1, 2, 3, 4])],
+                          [oh.make_tensor_value_info("Y", TensorProto.DOUBLE, [1, 2, 3, 4])],
+                          [onnx.numpy_helper.from_array(w, "W")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 23)], ir_version=10)
+    grad = onnxopt.gradient_model(model, weights=["W"], gradient="onnxopt")
+    onnx.checker.check_model(grad)
+    q, cot = rng.normal(size=(1, 2, 3, 4)), rng.normal(size=(1, 2, 3, 4))
+    got = ort.InferenceSession(grad.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ["W_grad"], {"Q": q, "W": w, "Y_grad": cot})[0]
+
+    def loss(weights):
+        model.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(weights, "W"))
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return float((sess.run(None, {"Q": q})[0] * cot).sum())
+
+    expected = np.zeros_like(w)
+    for idx in np.ndindex(w.shape):
+        plus, minus = w.copy(), w.copy()
+        plus[idx] += 1e-6
+        minus[idx] -= 1e-6
+        expected[idx] = (loss(plus) - loss(minus)) / 2e-6
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -65,7 +65,7 @@ def _probabilities(c, mode: int):
         node.resize_outputs(4)
     out = node.outputs[3]
     out.type = c.I(0).type
-    out.name = out.name or f"{c.I(0).name}_attention_probs"
+    out.name = None  # NOTE: named by the engine (``_name_values``), unique in the graph
     node.attributes["qk_matmul_output_mode"] = ir.AttrInt64("qk_matmul_output_mode", mode)
     return out
 
