@@ -83,6 +83,7 @@ def test_newer_ir_version_with_newer_type_raises_model_version_error():
         load_model(model)
 
 
+@pytest.mark.skipif(modelio.runtime_limits()[1] >= 23, reason="this onnxruntime loads opset 23 as is")
 def test_newer_opset_with_unchanged_ops_is_lowered():
     model = _copy(mlp([4, 8, 1]))
     model.opset_import[0].version = 23
@@ -103,6 +104,7 @@ def _reshape_model(opset: int) -> onnx.ModelProto:
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)], ir_version=11 if opset > 21 else 10)
 
 
+@pytest.mark.skipif(modelio.runtime_limits()[1] >= 23, reason="this onnxruntime loads opset 23 as is")
 def test_newer_opset_with_changed_ops_is_converted():
     lowered = load_model(_reshape_model(23))
     assert lowered.opset_imports[""] == modelio.runtime_limits()[1]
@@ -114,6 +116,7 @@ def test_newer_opset_with_changed_ops_is_converted():
     np.testing.assert_allclose(reference["W"], expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(modelio.runtime_limits()[1] >= 23, reason="this onnxruntime loads opset 23 as is")
 def test_newer_opset_that_cannot_be_lowered_raises_model_version_error():
     graph = oh.make_graph(
         [oh.make_node("MatMul", ["X", "W"], ["h"]), oh.make_node("Attention", ["h", "h", "h"], ["Y"])], "g",

@@ -22,13 +22,19 @@ DSL_OPSET = 18
 # Highest IR version and default-domain opset each onnxruntime release loads (from its release notes).
 # NOTE: protobuf refuses to serialize a message of 2 GB or more; ORT's builder and sessions take one.
 PROTOBUF_LIMIT = 2**31
-_LIMITS = {(1, 17): (9, 20), (1, 18): (10, 21), (1, 19): (10, 21), (1, 20): (10, 21), (1, 21): (10, 22)}
+# NOTE: 1.32 measured: it loads opset 26 and IR 13; onnx 1.19 (opsets <= 24) is the cap, IR 10 is what torch writes
+_LIMITS = {(1, 17): (9, 20), (1, 18): (10, 21), (1, 19): (10, 21), (1, 20): (10, 21), (1, 21): (10, 22),
+           (1, 32): (10, 24)}
+# NOTE: ops whose opset-22 versions onnxruntime 1.32 has no CPU kernel for (only bfloat16 was added): lowered to 21
+_NO_KERNEL_AFTER_21 = {"Bernoulli", "Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform",
+                       "RandomUniformLike", "GlobalLpPool", "MaxRoiPool", "RoiAlign"}
 
 
 def runtime_limits() -> tuple[int, int]:
     """Returns (max IR version, max opset) of the installed onnxruntime."""
     major, minor = (int(x) for x in onnxruntime.__version__.split(".")[:2])
-    return _LIMITS.get((major, minor), (10, 21))
+    newest = max(_LIMITS)
+    return _LIMITS.get((major, minor), _LIMITS[newest] if (major, minor) > newest else (10, 21))
 
 
 def require_training_build(what: str) -> None:
@@ -89,6 +95,9 @@ def load_model(model: ModelLike, name: str = "model", base_dir: str | os.PathLik
         _lower_ir(m, max_ir, name)
     if opset > max_opset:
         _lower_opset(m, opset, max_opset, name)
+    elif opset > 21 and any(n.op_type in _NO_KERNEL_AFTER_21 and n.domain in ("", "ai.onnx")
+                            for n in ir.traversal.RecursiveGraphIterator(m.graph)):
+        _lower_opset(m, opset, 21, name)
     if opset < DSL_OPSET:
         from onnxscript import version_converter
 
