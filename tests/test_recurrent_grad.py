@@ -1,0 +1,257 @@
+"""onnxopt's RNN/GRU/LSTM gradient rules (``onnxopt.autodiff.recurrent``): backpropagation through time with
+Scans, no unrolling. Hand cases against float64 central finite differences (onnx's reference runs both the
+forward and the gradient graph in float64; onnxruntime has float32 kernels only), torch exports against torch
+autograd and torch.optim.SGD, and, with the training build, against its builder."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as onh
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
+
+from onnxopt.errors import NotDifferentiableError
+from onnxopt.gradient import gradient_ir, has_training_build
+from onnxopt.modelio import load_model
+
+GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
+
+
+def _sigmoid(v):
+    return 1 / (1 + np.exp(-v))
+
+
+def recurrent_forward(op, x, w, r, b=None, h0=None, c0=None, direction="forward", layout=0, lbr=0, acts=None):
+    """The ONNX equations of RNN (Tanh/Relu), GRU and LSTM (default activations) in NumPy: onnx's reference
+    ignores direction and runs no bidirectional node nor Relu. Returns Y, Y_h, Y_c."""
+    if layout:
+        x = x.swapaxes(0, 1)
+        h0, c0 = (None if v is None else v.swapaxes(0, 1) for v in (h0, c0))
+    steps, batch = x.shape[:2]
+    dirs, hidden = w.shape[0], r.shape[-1]
+    y = np.zeros((steps, dirs, batch, hidden), x.dtype)
+    last_h, last_c = np.zeros((dirs, batch, hidden), x.dtype), np.zeros((dirs, batch, hidden), x.dtype)
+    for d in range(dirs):
+        wd, rd = w[d], r[d]
+        bd = b[d] if b is not None else np.zeros(2 * wd.shape[0], x.dtype)
+        wb, rb = np.split(bd, 2)
+        h = h0[d] if h0 is not None else np.zeros((batch, hidden), x.dtype)
+        c = c0[d] if c0 is not None else np.zeros((batch, hidden), x.dtype)
+        for t in (range(steps - 1, -1, -1) if d == 1 or direction == "reverse" else range(steps)):
+            if op == "RNN":
+                a = x[t] @ wd.T + h @ rd.T + wb + rb
+                h = np.maximum(a, 0) if acts and acts[d].lower() == "relu" else np.tanh(a)
+            elif op == "GRU":
+                xw, hr = x[t] @ wd.T + wb, h @ rd.T + rb
+                z = _sigmoid(xw[:, :hidden] + hr[:, :hidden])
+                rg = _sigmoid(xw[:, hidden:2 * hidden] + hr[:, hidden:2 * hidden])
+                if lbr:
+                    ht = np.tanh(xw[:, 2 * hidden:] + rg * hr[:, 2 * hidden:])
+                else:
+                    ht = np.tanh(xw[:, 2 * hidden:] + (rg * h) @ rd[2 * hidden:].T + rb[2 * hidden:])
+                h = (1 - z) * ht + z * h
+            else:
+                g = x[t] @ wd.T + h @ rd.T + wb + rb
+                i, o, f = (_sigmoid(g[:, k * hidden:(k + 1) * hidden]) for k in range(3))
+                c = f * c + i * np.tanh(g[:, 3 * hidden:])
+                h = o * np.tanh(c)
+            y[t, d] = h
+        last_h[d], last_c[d] = h, c
+    if layout:
+        return y.transpose(2, 0, 1, 3), last_h.swapaxes(0, 1), last_c.swapaxes(0, 1)
+    return y, last_h, last_c
+
+
+def _reference_op(op):
+    """An onnx.reference kernel of ``op`` by ``recurrent_forward``."""
+    def _run(self, x, w, r, b=None, lens=None, h0=None, c0=None, **_):
+        node = self.onnx_node
+        attrs = {a.name: oh.get_attribute_value(a) for a in node.attribute}
+        acts = [a.decode() if isinstance(a, bytes) else a for a in attrs.get("activations", [])]
+        direction = attrs.get("direction", b"forward")
+        outs = recurrent_forward(op, x, w, r, b, h0, c0, direction.decode() if isinstance(direction, bytes)
+                                 else direction, attrs.get("layout", 0), attrs.get("linear_before_reset", 0), acts)
+        return outs[:len(node.output)]
+    return type(op, (OpRun,), {"op_domain": "", "_run": _run})
+
+
+REFERENCE_OPS = [_reference_op(op) for op in GATES]
+
+
+def _evaluator(model):
+    return ReferenceEvaluator(model, new_ops=REFERENCE_OPS)
+
+
+def _node_model(op, direction="forward", layout=0, extras=(), outputs=("Y", "Y_h"), seq=4, batch=2, size=3,
+                hidden=2, dtype=TensorProto.DOUBLE, dynamic=False, seed=0, **attrs):
+    """A model of one recurrent node, every float input a graph input; returns (model, feeds)."""
+    rng = np.random.default_rng(seed)
+    dirs = 2 if direction == "bidirectional" else 1
+    g = GATES[op]
+    xs = (batch, seq, size) if layout else (seq, batch, size)
+    state = (batch, dirs, hidden) if layout else (dirs, batch, hidden)
+    shapes = {"X": xs, "W": (dirs, g * hidden, size), "R": (dirs, g * hidden, hidden), "B": (dirs, 2 * g * hidden),
+              "h0": state, "c0": state}
+    names = ["X", "W", "R", "B" if "B" in extras else "", "", "h0" if "h0" in extras else ""]
+    if op == "LSTM":
+        names.append("c0" if "c0" in extras else "")
+    while not names[-1]:
+        names.pop()
+    np_type = np.float64 if dtype == TensorProto.DOUBLE else np.float32
+    feeds = {n: (rng.normal(size=shapes[n]) * 0.6).astype(np_type) for n in names if n}
+    all_outs = ["Y", "Y_h", "Y_c"][:3 if op == "LSTM" else 2]
+    outs = [o if o in outputs else "" for o in all_outs]
+    while not outs[-1]:
+        outs.pop()
+    node = oh.make_node(op, names, outs, hidden_size=hidden, direction=direction, layout=layout, name="rec", **attrs)
+    dims = lambda n: ["T" if (k == (1 if layout else 0)) else d for k, d in enumerate(shapes[n])] \
+        if dynamic and n == "X" else list(shapes[n])  # noqa: E731
+    graph = oh.make_graph([node], "rec", [oh.make_tensor_value_info(n, dtype, dims(n)) for n in names if n],
+                          [oh.make_tensor_value_info(o, dtype, None) for o in outs if o])
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)], ir_version=10), feeds
+
+
+def _grads(model, feeds, cot, run_with="reference"):
+    """onnxopt's gradients of sum(outputs · cot) with respect to every graph input."""
+    grad, _ = gradient_ir(load_model(model), [], list(feeds), gradient="onnxopt")
+    import onnx_ir as ir
+
+    proto = ir.to_proto(grad)
+    assert not {"GRUGrad", "LSTMGrad", "RNN" "Grad"} & {n.op_type for n in proto.graph.node}
+    run_feeds = {**feeds, **{f"{o}_grad": v for o, v in cot.items()}}
+    if run_with == "reference":
+        names = [o.name for o in proto.graph.output]
+        values = _evaluator(proto).run(None, {i.name: run_feeds[i.name] for i in proto.graph.input})
+    else:
+        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        names = [o.name for o in sess.get_outputs()]
+        values = sess.run(None, {i.name: run_feeds[i.name] for i in sess.get_inputs()})
+    return dict(zip(names, values)), proto
+
+
+def _finite_differences(model, feeds, cot, eps=1e-6, evaluator=_evaluator):
+    ref = evaluator(model)
+    names = [o.name for o in model.graph.output]
+
+    def loss(values):
+        return sum(float((o * cot[n]).sum()) for n, o in zip(names, ref.run(None, values)) if n in cot)
+
+    out = {}
+    for name, base in feeds.items():
+        expected = np.zeros_like(base)
+        for idx in np.ndindex(base.shape):
+            plus, minus = base.copy(), base.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            expected[idx] = (loss({**feeds, name: plus}) - loss({**feeds, name: minus})) / (2 * eps)
+        out[name] = expected
+    return out
+
+
+CASES = [
+    ("RNN", "forward", 0, ("B",), ("Y",), {}),
+    ("RNN", "bidirectional", 1, ("B", "h0"), ("Y", "Y_h"), {"activations": ["Relu", "Tanh"]}),
+    ("GRU", "forward", 0, ("B", "h0"), ("Y", "Y_h"), {"linear_before_reset": 1}),
+    ("GRU", "reverse", 0, (), ("Y_h",), {"linear_before_reset": 0}),
+    ("GRU", "bidirectional", 1, ("B",), ("Y",), {"linear_before_reset": 0}),
+    ("LSTM", "forward", 0, ("B", "h0", "c0"), ("Y", "Y_h", "Y_c"), {}),
+    ("LSTM", "reverse", 1, ("h0",), ("Y_c",), {}),
+    ("LSTM", "bidirectional", 0, ("B",), ("Y", "Y_h"), {}),
+]
+
+
+@pytest.mark.parametrize("op, direction, layout, extras, outputs, attrs", CASES,
+                         ids=[f"{c[0]}-{c[1]}-layout{c[2]}-{'+'.join(c[4])}" for c in CASES])
+def test_gradients_match_float64_finite_differences(op, direction, layout, extras, outputs, attrs):
+    """Every input's gradient (X, W, R, B, initial states) with the gradient entering any of Y, Y_h, Y_c, in
+    float64 under onnx's reference; onnxruntime runs the same gradient graph in float32."""
+    model, feeds = _node_model(op, direction, layout, extras, outputs, **attrs)
+    ref_outs = _evaluator(model).run(None, feeds)
+    rng = np.random.default_rng(1)
+    cot = {o.name: rng.normal(size=v.shape) for o, v in zip(model.graph.output, ref_outs)}
+    got, _ = _grads(model, feeds, cot)
+    expected = _finite_differences(model, feeds, cot)
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[f"{name}_grad"], value, rtol=1e-6, atol=1e-7, err_msg=name)
+    if layout:  # NOTE: onnxruntime has no layout=1 kernel (torch's batch_first exports transpose instead)
+        return
+    model32, feeds32 = _node_model(op, direction, layout, extras, outputs, dtype=TensorProto.FLOAT, **attrs)
+    got32, _ = _grads(model32, feeds32, {k: v.astype(np.float32) for k, v in cot.items()}, run_with="ort")
+    for name, value in expected.items():
+        np.testing.assert_allclose(got32[f"{name}_grad"], value, rtol=1e-4, atol=1e-4, err_msg=f"{name} float32")
+
+
+def test_long_dynamic_sequence_uses_loops_not_an_unrolling():
+    """200 steps over a dynamic time axis: one gradient graph of fixed size serves any
+    length (two Loops); its float32 gradient matches float64 finite differences of a few entries."""
+    model, feeds = _node_model("LSTM", "forward", 0, ("B",), ("Y", "Y_h"), seq=200, batch=2, size=3, hidden=3,
+                               dtype=TensorProto.FLOAT, dynamic=True)
+    grad, _ = gradient_ir(load_model(model), [], list(feeds), gradient="onnxopt")
+    import onnx_ir as ir
+
+    proto = ir.to_proto(grad)
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("Loop") == 2 and ops.count("LSTM") == 1 and len(ops) < 200, (len(ops), ops.count("Loop"))
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(2)
+    for seq in (200, 7):
+        x = feeds["X"][:seq]
+        cot = {"Y_grad": rng.normal(size=(seq, 1, 2, 3)).astype(np.float32),
+               "Y_h_grad": rng.normal(size=(1, 2, 3)).astype(np.float32)}
+        run_feeds = {**feeds, "X": x, **cot}
+        got = dict(zip([o.name for o in sess.get_outputs()],
+                       sess.run(None, {i.name: run_feeds[i.name] for i in sess.get_inputs()})))
+        forward = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+        def loss(w):
+            y, yh = forward.run(None, {**feeds, "X": x, "W": w.astype(np.float32)})
+            return float((y * cot["Y_grad"]).sum() + (yh * cot["Y_h_grad"]).sum())
+
+        for idx in [(0, 0, 0), (0, 5, 2), (0, 11, 1)]:
+            d = np.zeros(feeds["W"].shape)
+            d[idx] = 1e-2
+            expected = (loss(feeds["W"] + d) - loss(feeds["W"] - d)) / 2e-2
+            np.testing.assert_allclose(got["W_grad"][idx], expected, rtol=2e-2, atol=2e-3, err_msg=f"{seq} {idx}")
+
+
+@pytest.mark.parametrize("op, attrs, inputs, why", [
+    ("LSTM", {"clip": 1.0}, {}, "clip"),
+    ("GRU", {"activations": ["Sigmoid", "Relu"]}, {}, "activations"),
+    ("LSTM", {"input_forget": 1}, {}, "input_forget"),
+    ("GRU", {}, {4: np.array([3, 2], np.int32)}, "sequence_lens"),
+])
+def test_refused_forms_name_the_op_node_and_reason(op, attrs, inputs, why):
+    """Forms the rule does not differentiate (and the unrolling does not take: 100 steps) are refused by name."""
+    model, feeds = _node_model(op, seq=100, **attrs)
+    node = model.graph.node[0]
+    for slot, value in inputs.items():
+        names = list(node.input) + [""] * (slot + 1 - len(node.input))
+        names[slot] = f"c{slot}"
+        del node.input[:]
+        node.input.extend(names)
+        model.graph.initializer.append(onh.from_array(value, f"c{slot}"))
+    with pytest.raises(NotDifferentiableError, match=f"{op} node 'rec'.*{why}") as info:
+        gradient_ir(load_model(model), [], list(feeds), gradient="onnxopt")
+    assert info.value.nodes == [(op, "rec")]
+
+
+def test_peepholes_over_a_short_static_length_are_unrolled():
+    """LSTM peepholes are not in the rule; over a static length up to 64 the node is unrolled instead and its
+    gradient still equals finite differences."""
+    model, feeds = _node_model("LSTM", extras=("B",), outputs=("Y",))
+    rng = np.random.default_rng(3)
+    node = model.graph.node[0]
+    node.input.extend(["", "", "", "P"])
+    model.graph.input.append(oh.make_tensor_value_info("P", TensorProto.DOUBLE, [1, 6]))
+    feeds["P"] = rng.normal(size=(1, 6))
+    cot = {"Y": rng.normal(size=(4, 1, 2, 2))}
+    got, proto = _grads(model, feeds, cot)
+    assert "LSTM" not in {n.op_type for n in proto.graph.node}
+    # NOTE: onnx's own LSTM runs peepholes (forward direction)
+    for name, value in _finite_differences(model, feeds, cot, evaluator=ReferenceEvaluator).items():
+        np.testing.assert_allclose(got[f"{name}_grad"], value, rtol=1e-6, atol=1e-7, err_msg=name)
