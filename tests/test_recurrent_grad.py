@@ -255,3 +255,128 @@ def test_peepholes_over_a_short_static_length_are_unrolled():
     # NOTE: onnx's own LSTM runs peepholes (forward direction)
     for name, value in _finite_differences(model, feeds, cot, evaluator=ReferenceEvaluator).items():
         np.testing.assert_allclose(got[f"{name}_grad"], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch exports against torch autograd + torch.optim.SGD
+
+
+def _torch_module(cell: str, seq: int):
+    import torch
+    from torch import nn
+
+    class Seq(nn.Module):
+        """A 2-layer bidirectional batch_first recurrent layer; the head reads Y's last step, Y_h (and Y_c)."""
+
+        def __init__(self):
+            super().__init__()
+            kind = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[cell]
+            self.rnn = kind(3, 5, num_layers=2, bidirectional=True, batch_first=True)
+            self.head = nn.Linear(10 + 5, 1)
+
+        def forward(self, x):
+            out, state = self.rnn(x)
+            h = state[0] if cell == "lstm" else state
+            extra = h[-1] + (state[1][-1] if cell == "lstm" else 0)
+            return self.head(torch.cat([out[:, -1], extra], dim=1))
+
+    torch.manual_seed(0)
+    return Seq()
+
+
+def _export(module, x, exporter, dynamic_seq=False):
+    import io
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            dims = {0: torch.export.Dim("batch", min=2)}
+            if dynamic_seq:
+                dims[1] = torch.export.Dim("seq", min=2, max=512)
+            return torch.onnx.export(module, (torch.from_numpy(x),), dynamo=True, verbose=False,
+                                     dynamic_shapes=(dims,)).model_proto
+        buf = io.BytesIO()
+        axes = {0: "N", 1: "T"} if dynamic_seq else {0: "N"}
+        torch.onnx.export(module, (torch.from_numpy(x),), buf, dynamo=False, input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": axes, "y": {0: "N"}})
+        return onnx.load_from_string(buf.getvalue())
+
+
+# NOTE: the dynamo exporter writes nn.RNN as MatMuls and Tanh (no RNN node); its exports take 20-80 s here
+TORCH_CASES = [("lstm", "dynamo", 70, False), ("lstm", "script", 6, True), ("gru", "script", 6, False),
+               ("rnn", "script", 6, False), pytest.param("gru", "dynamo", 6, True, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("cell, exporter, seq, dynamic_seq", TORCH_CASES,
+                         ids=["lstm-dynamo-seq70", "lstm-script-dynamic", "gru-script", "rnn-script",
+                              "gru-dynamo-dynamic"])
+def test_first_step_equals_torch_sgd(cell, exporter, seq, dynamic_seq):
+    """2 layers, bidirectional, batch_first, from both exporters (one over 70 steps, some with a dynamic sequence
+    axis): the first SGD step of onnxopt's default step moves every weight as torch.optim.SGD does."""
+    import torch
+
+    import onnxopt
+    from zoo.common import locate
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(4, seq, 3)).astype(np.float32)
+    y = rng.normal(size=(4, 1)).astype(np.float32)
+    module = _torch_module(cell, seq).eval()
+    model = _export(module, X, exporter, dynamic_seq)
+    assert cell.upper() in {n.op_type for n in model.graph.node}
+    step = onnxopt.compile_train_step(model, loss="square", update="sgd", learning_rate=0.5)
+    ops = {n.op_type for n in step.model.graph.node}
+    assert cell.upper() in ops and "Loop" in ops, "the forward node stays, its gradient loops"
+    initial = {t.name: onh.to_array(t) for t in model.graph.initializer if t.name in step.weights}
+    where = locate(dict(module.named_parameters()), initial)
+    runner = onnxopt.Runner(step)
+    loss = runner.step(X, y)
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    ref = torch.nn.functional.mse_loss(module(torch.from_numpy(X)), torch.from_numpy(y))
+    ref.backward()
+    opt.step()
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
+    flat = np.concatenate([p.detach().numpy().ravel() for p in module.parameters()])
+    got = runner.get_weights()
+    for name in step.weights:
+        np.testing.assert_allclose(got[name], flat[where[name]], rtol=1e-4, atol=1e-5, err_msg=name)
+    if dynamic_seq:  # NOTE: the same step over another length
+        assert np.isfinite(runner.step(rng.normal(size=(4, seq + 3, 3)).astype(np.float32), y))
+
+
+def test_whole_path_epoch_portable_trainer_and_input_gradients():
+    """A TorchScript export of a 2-layer bidirectional batch_first LSTM through every entry point: an epoch (the
+    step inside a Scan over batches: Loops inside a Scan) equals the same steps one by one, the portable step
+    equals the default one, Trainer fits, and ForwardBackward's input gradient equals torch autograd's."""
+    import torch
+
+    import onnxopt
+
+    rng = np.random.default_rng(4)
+    X = rng.normal(size=(12, 5, 3)).astype(np.float32)
+    y = rng.normal(size=(12, 1)).astype(np.float32)
+    module = _torch_module("lstm", 5).eval()
+    model = _export(module, X[:4], "script")
+    kwargs = dict(loss="square", update="momentum", learning_rate=0.1)
+    step = onnxopt.compile_train_step(model, **kwargs)
+    portable = onnxopt.compile_train_step(model, portable=True, **kwargs)
+    assert "LSTM" in {n.op_type for n in portable.model.graph.node}
+    one, two, three = (onnxopt.Runner(s) for s in (step, step, portable))
+    losses = [one.step(X[i:i + 4], y[i:i + 4]) for i in range(0, 12, 4)]
+    np.testing.assert_allclose(two.epoch(X, y, batch_size=4), losses, rtol=1e-5)
+    np.testing.assert_allclose([three.step(X[i:i + 4], y[i:i + 4]) for i in range(0, 12, 4)], losses, rtol=1e-5)
+    for name, value in one.get_weights().items():
+        np.testing.assert_allclose(two.get_weights()[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(three.get_weights()[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    est = onnxopt.Trainer(model, loss="square", batch_size=4, max_iter=2, shuffle=False, tol=None).fit(X, y)
+    assert np.isfinite(est.predict(X)).all()
+    fb = onnxopt.ForwardBackward(model)
+    cot = rng.normal(size=(4, 1)).astype(np.float32)
+    fb.forward({"x": X[:4]})
+    got = fb.backward(cot)["x"]
+    x = torch.from_numpy(X[:4]).requires_grad_(True)
+    (module(x) * torch.from_numpy(cot)).sum().backward()
+    np.testing.assert_allclose(got, x.grad.numpy(), rtol=1e-4, atol=1e-5)
