@@ -145,7 +145,7 @@ def _recurrent_rule(c):
     node, op = c.node, c.node.op_type
     why = unsupported(node)
     if why:
-        raise NotDifferentiableError(f"model: onnxopt cannot differentiate {op} node {node.name!r}: {why}; expected "
+        raise NotDifferentiableError(f"model: onnxopt cannot differentiate {op} (node {node.name!r}): {why}; expected "
                                      "the forms docs/gradients.md lists under 'Recurrent layers'",
                                      [(op, node.name or "")])
     hidden = node.attributes.get_int("hidden_size")
@@ -158,7 +158,7 @@ def _recurrent_rule(c):
     y, dy, dyh, dyc = c.O(0), c.GO(0), c.GO(1), c.GO(2) if lstm else None
     dtype = c.dtype(w) or c.dtype(x) or ir.DataType.FLOAT
     if not y.name:
-        raise NotDifferentiableError(f"model: onnxopt cannot differentiate {op} node {node.name!r}: its output Y "
+        raise NotDifferentiableError(f"model: onnxopt cannot differentiate {op} (node {node.name!r}): its output Y "
                                      "is omitted (lower_recurrent names it)", [(op, node.name or "")])
     states = [(h0, dyh)] + ([(c0, dyc)] if lstm else [])
     if layout:  # NOTE: to layout 0: X (T, B, I), Y (T, D, B, H), states (D, B, H)
