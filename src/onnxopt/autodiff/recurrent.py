@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
@@ -63,8 +64,10 @@ def _length(node: ir.Node) -> int | None:
     return x.shape[axis]
 
 
-def unsupported(node: ir.Node) -> str | None:
-    """Why onnxopt's rule does not differentiate the RNN/GRU/LSTM ``node``, or None."""
+def unsupported(node: ir.Node | onnx.NodeProto) -> str | None:
+    """Why onnxopt's rule does not differentiate the RNN/GRU/LSTM ``node`` (onnx-ir or proto), or None."""
+    if isinstance(node, onnx.NodeProto):
+        node = ir.serde.deserialize_node(node)
     op, attrs = node.op_type, node.attributes
     if "clip" in attrs:
         return "clip is not differentiated (the cell clips its pre-activations)"
