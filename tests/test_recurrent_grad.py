@@ -371,7 +371,7 @@ def test_whole_path_epoch_portable_trainer_and_input_gradients():
     for name, value in one.get_weights().items():
         np.testing.assert_allclose(two.get_weights()[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(three.get_weights()[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
-    est = onnxopt.Trainer(model, loss="square", batch_size=4, max_iter=2, shuffle=False, tol=None).fit(X, y)
+    est = onnxopt.Trainer(model, loss="square", batch_size=4, max_iter=1, shuffle=False, tol=None).fit(X, y)
     assert np.isfinite(est.predict(X)).all()
     fb = onnxopt.ForwardBackward(model)
     cot = rng.normal(size=(4, 1)).astype(np.float32)

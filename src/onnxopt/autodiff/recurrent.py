@@ -3,14 +3,17 @@
 The rule keeps the forward node as written (onnxruntime's fused kernel) and writes backpropagation through time
 in standard ONNX, for any sequence length, static or not (``docs/gradients.md``, "Recurrent layers"):
 
-- per direction, in processing order (a reverse direction's tensors reversed along time), the hidden state
-  before each step is Y shifted by one step with the initial state first; the gate pre-activations of all steps
-  are recomputed at once (one MatMul for X·Wᵀ, one for H_(t-1)·Rᵀ), LSTM's cell states by a Scan (the op
-  does not output them);
-- what does not depend on the carried gradients (the activations' derivatives) is computed for all steps, then
-  a Scan over reversed time carries dH (and dC) with one MatMul by R per step and emits the gates' gradients;
-- dW, dR are MatMuls over all steps and the batch, dB sums, dX one MatMul, d initial_h (d initial_c) the final
+- per direction, every per-step tensor in backward order (the processing order reversed); the hidden state
+  before each step is Y shifted by one step with the initial state last; the gate pre-activations of all
+  steps are recomputed at once (one MatMul for X·Wᵀ, one for H_(t-1)·Rᵀ), LSTM's cell states by a loop
+  (the op does not output them);
+- what does not depend on the carried gradients (the activations' derivatives) is computed for all steps,
+  then a loop over the steps carries dH (and dC) with one MatMul by R per step and emits the gates' gradients;
+- dW, dR are Gemms over all steps and the batch, dB sums, dX one MatMul, d initial_h (d initial_c) the final
   carries.
+
+The loops are ``Loop`` nodes gathering each step from the outer tensors (``_loop``): onnx's reference runs
+neither a Scan body reading outer values nor a reverse Scan.
 
 Refused with ``NotDifferentiableError``: clip, input_forget, parametric or other activations (RNN: Tanh and
 Relu), LSTM peepholes, a sequence_lens that is not a constant equal to the sequence length. Before the rule
@@ -101,7 +104,7 @@ def unsupported(node: ir.Node | onnx.NodeProto) -> str | None:
 # The rule
 
 
-def _scan(c: _Op, states: list, scans: list, build, dtype: ir.DataType) -> list:
+def _loop(c: _Op, states: list, scans: list, build, dtype: ir.DataType) -> list:
     """A loop over the leading axis of ``scans`` with ``states`` carried: ``build(op, *states, *steps)`` returns
     the new states then the per-step outputs (all rank 2, stacked on a new leading axis). Written as a Loop
     whose body gathers each step from the outer values, not a Scan: onnx's reference runs Scan bodies without
@@ -215,7 +218,7 @@ def _recurrent_rule(c):
                 da = o.Mul(dh, k_t)
                 return [o.MatMul(da, r_d), da]
 
-            dh_first, g_x = _scan(c, carries, scans + [k], body, dtype)
+            dh_first, g_x = _loop(c, carries, scans + [k], body, dtype)
             g_r, h_in = g_x, h_prev
             dr_parts = None
         elif op == "GRU":
@@ -240,7 +243,7 @@ def _recurrent_rule(c):
                     g = o.Mul(o.Concat(dh, dh, dh, axis=-1), m2_t)
                     return [o.Add(o.Mul(dh, z_t), o.MatMul(g, r_d)), dh, g]
 
-                dh_first, dh_all, g_r = _scan(c, carries, scans + [m2, z], body, dtype)
+                dh_first, dh_all, g_r = _loop(c, carries, scans + [m2, z], body, dtype)
                 g_x = c.Mul(c.Concat(dh_all, dh_all, dh_all, axis=-1), m)
                 h_in, dr_parts = h_prev, None
             else:
@@ -265,7 +268,7 @@ def _recurrent_rule(c):
                     carry = o.Add(o.Add(o.Mul(dh, z_t), o.MatMul(g, r_zr)), o.Mul(ds, r_t))
                     return [carry, dh, dar]
 
-                dh_first, dh_all, dar = _scan(c, carries, scans + [k_h, k_z, k_r, z, rg], body, dtype)
+                dh_first, dh_all, dar = _loop(c, carries, scans + [k_h, k_z, k_r, z, rg], body, dtype)
                 daz, dah = c.Mul(dh_all, k_z), c.Mul(dh_all, k_h)
                 g_x = c.Concat(daz, dar, dah, axis=-1)
                 g_r, h_in = g_x, None
@@ -282,7 +285,7 @@ def _recurrent_rule(c):
                 new = o.Add(o.Mul(f_t, cell), ic_t)
                 return [new, o.Identity(new)]
 
-            _, cells = _scan(c, [c_start], [_flip(c, gf), _flip(c, c.Mul(gi, gc))], forward, dtype)
+            _, cells = _loop(c, [c_start], [_flip(c, gf), _flip(c, c.Mul(gi, gc))], forward, dtype)
             cells = _flip(c, cells)  # NOTE: the cell states in processing order, back to backward order
             c_prev = c.Concat(c.Slice(cells, c.ints([1]), c.ints([2**63 - 1]), c.ints([0])),
                               c.Unsqueeze(c_start, c.ints([0])), axis=0)
@@ -297,7 +300,7 @@ def _recurrent_rule(c):
                 g = o.Mul(o.Concat(dc, dh, dc, dc, axis=-1), m_t)
                 return [o.MatMul(g, r_d), o.Mul(dc, f_t), g]
 
-            dh_first, dc_first, g_x = _scan(c, carries, scans + [a, m, gf], body, dtype)
+            dh_first, dc_first, g_x = _loop(c, carries, scans + [a, m, gf], body, dtype)
             g_r, h_in, dr_parts = g_x, h_prev, None
             per_dir["c0"].append(dc_first)
         per_dir["h0"].append(dh_first)
