@@ -410,3 +410,29 @@ def test_rules_match_the_builder(op, direction, extras, attrs):
     assert sorted(expected) == sorted(got)
     for name, value in expected.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_portable_step_trains_under_onnx_reference():
+    """A TorchScript export of a GRU and an LSTM (forward, as onnx's reference runs them) trains under
+    onnx.reference as in onnxruntime: the Loops of the gradient are standard ONNX both run."""
+    import torch
+    from torch import nn
+
+    from helpers import under_reference
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru, self.lstm, self.head = nn.GRU(3, 4, batch_first=True), nn.LSTM(4, 3), nn.Linear(3, 1)
+
+        def forward(self, x):
+            out, _ = self.gru(x)
+            _, (h, _) = self.lstm(out.transpose(0, 1))  # NOTE: onnx's reference LSTM outputs no Y_c
+            return self.head(h[-1])
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(6)
+    X, y = rng.normal(size=(8, 5, 3)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32)
+    model = _export(Two().eval(), X[:4], "script")
+    under_reference(model, [(X[:4], y[:4]), (X[4:], y[4:])], 1e-5, loss="square", update="momentum",
+                    learning_rate=0.1)
