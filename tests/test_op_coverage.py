@@ -307,7 +307,7 @@ def _rewritten(case: Case) -> bool:
     feeds = {f"x{i}": _value(v, rng) for i, v in enumerate(case.inputs) if isinstance(v, str)}
     model = load_model(_model(case, feeds, False))
     apply_mode(model, None)
-    lowered = lower_for_gradient(model, True)
+    lowered = lower_for_gradient(model, gradient="onnxopt")
     ops = [n.op_type for n in lowered.graph]
     return case.op not in ops or (case.op in RULES and ops != [case.op])
 

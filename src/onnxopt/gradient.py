@@ -329,7 +329,8 @@ def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = 
                    portable: bool = False, gradient: str | None = None) -> ir.Model:
     """Forward, a ``com.microsoft:YieldOp``, backward, from onnxopt's rules or ORT's builder (``gradient``).
     ``mode`` ("train", "eval", None = each node as written) rewrites Dropout and BatchNormalization;
-    ``portable`` unrolls GRU/LSTM first (their gradient kernels exist in the training build only)."""
+    ``portable`` unrolls GRU/LSTM first for the builder (its GRUGrad/LSTMGrad are training-build kernels; onnxopt's
+    rules write them in standard ONNX)."""
     from onnxopt.rules import lower_for_gradient
 
     source = gradient_source(gradient)
@@ -339,7 +340,7 @@ def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = 
     # NOTE: BatchNormalization and Dropout as written or as ``mode`` says, running statistics not carried; ORT's
     # builder would swap in a kernel that writes them in place (compile_train_step applies its mode= before)
     apply_mode(m, mode)
-    m = lower_for_gradient(m, portable or source == "onnxopt")
+    m = lower_for_gradient(m, portable, source)
     if source == "onnxopt":
         from onnxopt.autodiff import differentiate
 

@@ -130,16 +130,17 @@ rules = RewriteRuleSet([RewriteRule(_castlike, _cast, _castlike_known, name="Cas
                         RewriteRule(_concat, _concat_as_pads, _concat_double_static, name="DoubleConcatToPads")])
 
 
-def lower_for_gradient(model: ir.Model, portable: bool = False) -> ir.Model:
-    """Infers types, decomposes the ops the builder lacks (``passes.decompose``; GRU and LSTM too for a
-    ``portable`` step), then applies ``rules`` in place; returns ``model``."""
+def lower_for_gradient(model: ir.Model, portable: bool = False, gradient: str = "builder") -> ir.Model:
+    """Infers types, decomposes the ops the builder lacks (``passes.decompose``; recurrent layers as
+    ``gradient``, the source that differentiates, needs: GRU and LSTM unrolled for a ``portable`` builder step),
+    then applies ``rules`` in place; returns ``model``."""
     from onnxopt.passes.decompose import decompose
 
     try:
         passes.ShapeInferencePass()(model)
     except Exception:  # NOTE: inference fails on some contrib ops; the rules then match less, nothing breaks
         pass
-    decompose(model, unroll_recurrent=portable)
+    decompose(model, unroll_recurrent=portable, gradient=gradient)
     rules.apply_to_model(model)
     _split_repeated_inputs(model.graph)
     return model

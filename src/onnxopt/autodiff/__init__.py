@@ -1,7 +1,8 @@
 """onnxopt's own reverse-mode differentiation over onnx-ir: standard ONNX backward graphs, no training build.
 
 ``RULES`` maps (domain, op_type) to a vector-Jacobian rule, one module per op family (``elementwise``,
-``linalg``, ``conv``, ``norm``, ``reduce``, ``shape``, ``signal``; ``templates`` runs the families' gradient
+``linalg``, ``conv``, ``norm``, ``reduce``, ``shape``, ``signal``,
+``recurrent``, ``transformer``; ``templates`` runs the families' gradient
 definitions). Ops outside the table are first rewritten into ops inside it by the rewrites each family module
 registers at its end (``autodiff.rewrite``), which ``passes.decompose`` applies for both gradient sources
 (the training build's builder needs them too), so both see the same graph. ``differentiate`` builds the
@@ -21,7 +22,7 @@ def load_rules() -> dict:
     """Imports every family module (each registers its rules) once; returns ``RULES``."""
     global _loaded
     if not _loaded:
-        from onnxopt.autodiff import conv, elementwise, linalg, norm, reduce, shape, templates  # noqa: F401
+        from onnxopt.autodiff import conv, elementwise, linalg, norm, recurrent, reduce, shape, templates  # noqa: F401
         from onnxopt.autodiff import transformer  # noqa: F401
 
         templates.register()

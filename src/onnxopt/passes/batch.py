@@ -46,6 +46,43 @@ def _is_constant(value: ir.Value) -> bool:
     return value.const_value is not None and not value.is_graph_input()
 
 
+def _prune(graph: ir.Graph) -> None:
+    """Removes the nodes no graph output depends on, through subgraphs' outer values too: onnx-ir's
+    RemoveUnusedNodesPass keeps what the body of a removed Loop or Scan read (the gradient of a recurrent layer),
+    values that can depend on inputs the side model no longer has."""
+    needed, keep = set(graph.outputs), set()
+
+    def read(node: ir.Node) -> None:
+        needed.update(v for v in node.inputs if v is not None)
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                for inner in attr.as_graph():
+                    read(inner)
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.as_graphs():
+                    for inner in sub:
+                        read(inner)
+
+    for node in reversed(list(graph)):
+        if any(o in needed for o in node.outputs):
+            keep.add(node)
+            read(node)
+    def detach(node: ir.Node) -> None:  # NOTE: a removed node's subgraphs stop reading the outer values
+        for attr in node.attributes.values():
+            subs = [attr.as_graph()] if attr.type == ir.AttributeType.GRAPH else \
+                list(attr.as_graphs()) if attr.type == ir.AttributeType.GRAPHS else []
+            for sub in subs:
+                for inner in sub:
+                    detach(inner)
+                    for i in range(len(inner.inputs)):
+                        inner.replace_input_with(i, None)
+
+    for node in reversed(list(graph)):
+        if node not in keep:
+            detach(node)
+            graph.remove(node, safe=False)
+
+
 def hoist(model: ir.Model, name: str) -> tuple[onnx.ModelProto, list[str]] | None:
     """Makes the values computed from input ``name`` and constants alone inputs of ``model`` (in place); returns
     the side model computing them from ``name`` and [name] if ``name`` stays an input ([] if not), or None."""
@@ -70,7 +107,7 @@ def hoist(model: ir.Model, name: str) -> tuple[onnx.ModelProto, list[str]] | Non
     side_source = next(v for v in side.graph.inputs if v.name == name)
     side.graph.inputs.clear()
     side.graph.inputs.append(side_source)
-    common.RemoveUnusedNodesPass()(side)
+    _prune(side.graph)
     for init in [n for n in side.graph.initializers if not side.graph.initializers[n].uses()]:
         side.graph.initializers.pop(init)
     for value in frontier:
