@@ -216,6 +216,8 @@ def _fit(args: argparse.Namespace) -> int:
                   scale={"auto": "auto", "always": True, "never": False}[args.scale], **kwargs)
     t0 = time.perf_counter()
     features = args.features.split(",") if args.features else None
+    if y is None and (source := as_stream(X, features=features, target=args.target)).small:
+        X, y, _ = source.read_all()  # NOTE: a small Parquet source trains as arrays (the Trainer would read it so)
     try:
         est.fit(X, y, features=features, target=args.target)
     except CheckpointError as exc:

@@ -272,13 +272,18 @@ class Trainer:
         ``pyarrow.dataset.Dataset`` whose ``features`` and ``target`` columns are named (``sample_weight`` then
         names a column); checkpoints are then per epoch, as with arrays.
         """
+        data = stream.as_stream(X, y, sample_weight, features, target)
+        if data is not None and data.small:  # NOTE: read whole, trained as arrays (split, scaling, shuffle)
+            X, y, sample_weight = data.read_all()
+        elif data is not None:
+            X, y, sample_weight = data, None, None
         if self.warm_start and hasattr(self, "runner_"):
             until = self.n_iter_ + self.max_iter
         else:
             self._initialize(X, y)
             self._resume()
             until = self.max_iter
-        self._fit(X, y, sample_weight, until, columns=(features, target))
+        self._fit(X, y, sample_weight, until)
         return self
 
     def partial_fit(self, X, y=None, sample_weight=None, classes=None) -> Trainer:
@@ -293,10 +298,13 @@ class Trainer:
         self._fit(X, y, sample_weight, self.n_iter_ + 1, stop=False)
         return self
 
-    def _fit(self, X, y, sample_weight, until: int, stop: bool = True, columns=(None, None)) -> None:
+    def _fit(self, X, y, sample_weight, until: int, stop: bool = True) -> None:
         if self._predictor is None:
             self._sessions()
-        data = stream.as_stream(X, y, sample_weight, *columns)
+        data = stream.as_stream(X, y, sample_weight)
+        if data is not None and data.small:
+            X, y, sample_weight = data.read_all()
+            data = None
         if data is not None:
             train, validate, n_batches = self._stream(data, stop)
         else:
@@ -352,6 +360,7 @@ class Trainer:
         held = self.early_stopping and stop
         if held and not 0 < self.validation_fraction < 1:
             raise DataError(f"validation_fraction: expected a fraction in (0, 1), got {self.validation_fraction!r}")
+        fraction = (self.validation_fraction, self._seed)  # NOTE: held-out rows (stream.held_rows), every epoch
 
         def block(X, y, sw, b, bar=None):
             X, y, sw = self._validate(X, y, sw, fit=True)
@@ -359,11 +368,11 @@ class Trainer:
 
         def train(bar):
             rng = np.random.default_rng([self._seed, self.n_iter_]) if self.shuffle else None
-            part = ("train", self.validation_fraction) if held else None
+            part = ("train", *fraction) if held else None
             return stream.epoch(lambda *b: block(*b, bar), data, batch, rng, part, self.runner_.x_dtype)[0]
 
         def validate():
-            return stream.epoch(block, data, batch, None, ("validation", self.validation_fraction), self.runner_.x_dtype)[0]
+            return stream.epoch(block, data, batch, None, ("validation", *fraction), self.runner_.x_dtype)[0]
 
         return train, validate if held else None, -(-data.rows // batch) if data.rows and not data.batched else None
 
