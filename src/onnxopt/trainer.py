@@ -363,16 +363,18 @@ class Trainer:
         fraction = (self.validation_fraction, self._seed)  # NOTE: held-out rows (stream.held_rows), every epoch
 
         def block(X, y, sw, b, bar=None):
-            X, y, sw = self._validate(X, y, sw, fit=True)
             return self._epoch(X, y, sw, b, bar, shuffle=False) if bar is not None else self._validation_loss(X, y, sw)
+
+        def prepare(X, y, sw):  # NOTE: in the reading thread: checks and label encoding off the training thread
+            return self._validate(X, y, sw, fit=True)
 
         def train(bar):
             rng = np.random.default_rng([self._seed, self.n_iter_]) if self.shuffle else None
             part = ("train", *fraction) if held else None
-            return stream.epoch(lambda *b: block(*b, bar), data, batch, rng, part, self.runner_.x_dtype)[0]
+            return stream.epoch(lambda *b: block(*b, bar), data, batch, rng, part, self.runner_.x_dtype, prepare)[0]
 
         def validate():
-            return stream.epoch(block, data, batch, None, ("validation", *fraction), self.runner_.x_dtype)[0]
+            return stream.epoch(block, data, batch, None, ("validation", *fraction), self.runner_.x_dtype, prepare)[0]
 
         return train, validate if held else None, -(-data.rows // batch) if data.rows and not data.batched else None
 
