@@ -328,7 +328,14 @@ def blocks(stream, batch: int, rng: np.random.Generator | None = None, part=None
 def _cut(buf: tuple, rows: int, size: int, rng, batch: int, cut: int) -> Iterator[tuple]:
     """Blocks (copies) of ``size`` rows from the first ``cut`` of the ``rows`` rows of ``buf``, shuffled by
     ``rng``; the rows after ``cut`` move to the front of ``buf``."""
-    order = rng.permutation(rows) if rng is not None else np.arange(rows)
+    if rng is None:  # NOTE: in order: copies of slices (a memcpy, not a gather)
+        for i in range(0, cut, size):
+            yield (*(None if a is None else a[i:min(i + size, cut)].copy() for a in buf), batch)
+        for a in buf:
+            if a is not None:
+                a[:rows - cut] = a[cut:rows].copy()
+        return
+    order = rng.permutation(rows)
     for i in range(0, cut, size):
         yield (*(None if a is None else a[order[i:min(i + size, cut)]] for a in buf), batch)
     for a in buf:
