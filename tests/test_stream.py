@@ -166,6 +166,35 @@ def test_stream_resume_equals_uninterrupted_run(data, tmp_path):
     _same(whole, resumed)
 
 
+def test_stream_resume_mid_epoch_equals_uninterrupted_run(data, tmp_path, monkeypatch):
+    """A streamed fit stopped in the middle of its second epoch (after a checkpoint of its position) and
+    resumed gives the weights and losses of the uninterrupted fit: shuffled, with held-out rows."""
+    X, y, _ = data
+    pq.write_table(_table(X, y), tmp_path / "d.parquet", row_group_size=64)
+    monkeypatch.setattr(stream, "BLOCK_BYTES", 2048)  # NOTE: blocks of 64 rows: 9 blocks an epoch
+    monkeypatch.setattr(stream, "CHECKPOINT_SECONDS", 0.0)  # NOTE: the position saved after every block
+    kw = dict(target="y", shuffle=True, max_iter=3, early_stopping=True)
+    whole = _fit(tmp_path / "d.parquet", **kw)
+    calls, train = [], onnxopt.Trainer._epoch
+
+    def stopped(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 13:  # NOTE: the 4th block of epoch 2
+            raise RuntimeError("killed")
+        return train(self, *args, **kwargs)
+
+    monkeypatch.setattr(onnxopt.Trainer, "_epoch", stopped)
+    with pytest.raises(RuntimeError, match="killed"):
+        _fit(tmp_path / "d.parquet", checkpoint_dir=tmp_path / "ck", **kw)
+    monkeypatch.setattr(onnxopt.Trainer, "_epoch", train)
+    from onnxopt.checkpoint import load_arrays
+
+    assert load_arrays(tmp_path / "ck" / "trainer.ckpt")[1]["position"][:2] == [1, 3]  # NOTE: epoch 2, 3 blocks
+    resumed = _fit(tmp_path / "d.parquet", checkpoint_dir=tmp_path / "ck", **kw)
+    _same(whole, resumed)
+    np.testing.assert_allclose(whole.validation_losses_, resumed.validation_losses_, rtol=1e-6)
+
+
 def test_stream_classifier_finds_classes_first(tmp_path):
     rng = np.random.default_rng(0)
     X = rng.normal(size=(300, 4)).astype(np.float32)

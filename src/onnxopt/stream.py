@@ -33,6 +33,7 @@ MAX_BATCHES = 512  # NOTE: batches per block at most (one Scan run for small ste
 SHUFFLE_BLOCKS = 4
 PREFETCH = 2
 MEMMAP_ROWS = 65536
+CHECKPOINT_SECONDS = 60.0  # NOTE: a streamed epoch with checkpoint_dir saves its position at most this often
 READ_BYTES = 8 * BLOCK_BYTES  # NOTE: rows of a Parquet read (to_batches' batch_size)
 # NOTE: what a stream may hold anyway; ONNXOPT_STREAM_CACHE_BYTES changes it (0: always stream, for tests)
 CACHE_BYTES = int(os.environ.get("ONNXOPT_STREAM_CACHE_BYTES", (SHUFFLE_BLOCKS + PREFETCH) * BLOCK_BYTES))
@@ -382,16 +383,22 @@ def prefetch(items: Iterator, depth: int = PREFETCH) -> Iterator:
                 thread.join(0.01)
 
 
-def epoch(run: Callable, stream, batch: int, rng=None, part=None, dtype=None, prepare=None) -> tuple[float, int]:
+def epoch(run: Callable, stream, batch: int, rng=None, part=None, dtype=None, prepare=None,
+          start: tuple[int, float, int] = (0, 0.0, 0), after: Callable | None = None) -> tuple[float, int]:
     """Runs ``run(X, y, sample_weight, batch) -> mean loss`` on each block; returns (mean loss, rows).
-    ``prepare(X, y, sample_weight) -> (X, y, sample_weight)`` (checks, encoding) runs in the reading thread."""
-    total, n = 0.0, 0
+    ``prepare(X, y, sample_weight) -> (X, y, sample_weight)`` (checks, encoding) runs in the reading thread.
+    ``start=(blocks, loss sum, rows)`` resumes an epoch: its first ``blocks`` blocks are made (the same
+    chunk order and shuffle) and skipped; ``after(blocks, loss sum, rows)`` is called after each block."""
+    skip, total, n = start
     items = blocks(stream, batch, rng, part, dtype)
-    if prepare is not None:
-        items = ((*prepare(*b[:3]), b[3]) for b in items)
-    for X, y, sw, b in prefetch(items):
+    items = (b if k < skip or prepare is None else (*prepare(*b[:3]), b[3]) for k, b in enumerate(items))
+    for k, (X, y, sw, b) in enumerate(prefetch(items)):
+        if k < skip:
+            continue
         total += run(X, y, sw, b) * len(X)
         n += len(X)
+        if after is not None:
+            after(k + 1, total, n)
     if not n:
         raise DataError("X: the stream gave no rows in this epoch")
     return total / n, n

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 import warnings
 
 import numpy as np
@@ -160,6 +161,7 @@ class Trainer:
         self.n_iter_, self.train_losses_, self.validation_losses_ = 0, [], []
         self._seed = _seed(self.random_state)
         self._best = (np.inf, 0, None)  # NOTE: best loss, epochs without improvement, weights of the best
+        self._position = None  # NOTE: (epoch, blocks, loss sum, rows) of a streamed epoch resumed mid-way
         inputs = {i.name: i for i in self.runner_.session.get_inputs()}
         self._x_shape = inputs[self.train_step_.inputs[0]].shape
         self._y_shape = None
@@ -362,8 +364,9 @@ class Trainer:
             raise DataError(f"validation_fraction: expected a fraction in (0, 1), got {self.validation_fraction!r}")
         fraction = (self.validation_fraction, self._seed)  # NOTE: held-out rows (stream.held_rows), every epoch
 
-        def block(X, y, sw, b, bar=None):
-            return self._epoch(X, y, sw, b, bar, shuffle=False) if bar is not None else self._validation_loss(X, y, sw)
+        def block(X, y, sw, b, bar=None):  # NOTE: a last block shorter than a batch is that batch
+            return self._epoch(X, y, sw, min(b, len(X)), bar, shuffle=False) if bar is not None \
+                else self._validation_loss(X, y, sw)
 
         def prepare(X, y, sw):  # NOTE: in the reading thread: checks and label encoding off the training thread
             return self._validate(X, y, sw, fit=True)
@@ -371,7 +374,17 @@ class Trainer:
         def train(bar):
             rng = np.random.default_rng([self._seed, self.n_iter_]) if self.shuffle else None
             part = ("train", *fraction) if held else None
-            return stream.epoch(lambda *b: block(*b, bar), data, batch, rng, part, self.runner_.x_dtype, prepare)[0]
+            position, self._position = getattr(self, "_position", None), None
+            start = tuple(position[1:]) if position and position[0] == self.n_iter_ else (0, 0.0, 0)
+            last = [time.monotonic()]
+
+            def after(blocks, total, rows):  # NOTE: the stream's position, resumed by the next fit (mid-epoch)
+                if self.checkpoint_dir is not None and time.monotonic() - last[0] >= stream.CHECKPOINT_SECONDS:
+                    self._save_checkpoint(position=[self.n_iter_, blocks, total, rows])
+                    last[0] = time.monotonic()
+
+            return stream.epoch(lambda *b: block(*b, bar), data, batch, rng, part, self.runner_.x_dtype, prepare,
+                                start, after)[0]
 
         def validate():
             return stream.epoch(block, data, batch, None, ("validation", *fraction), self.runner_.x_dtype, prepare)[0]
@@ -439,13 +452,14 @@ class Trainer:
         return count > self.n_iter_no_change
 
     # -- checkpoints -------------------------------------------------------------------------------------
-    def _save_checkpoint(self) -> None:
-        """Weights, optimizer state and the epoch history in one file, atomic and checksummed."""
+    def _save_checkpoint(self, position: list | None = None) -> None:
+        """Weights, optimizer state and the epoch history in one file, atomic and checksummed; ``position``
+        (epoch, blocks, loss sum, rows) of a streamed epoch saved mid-way."""
         if self.checkpoint_dir is None:
             return
         os.makedirs(self.checkpoint_dir, exist_ok=True)
         meta = {"kind": _KIND, "n_iter": self.n_iter_, "seed": self._seed, "train_losses": self.train_losses_,
-                "validation_losses": self.validation_losses_, "best": list(self._best[:2])}
+                "validation_losses": self.validation_losses_, "best": list(self._best[:2]), "position": position}
         self.runner_.save_checkpoint(os.path.join(self.checkpoint_dir, _CHECKPOINT), meta)
 
     def _resume(self) -> None:
@@ -456,6 +470,7 @@ class Trainer:
         self.n_iter_, self._seed = meta["n_iter"], meta["seed"]
         self.train_losses_, self.validation_losses_ = meta["train_losses"], meta["validation_losses"]
         self._best = (*meta["best"], None)
+        self._position = meta.get("position")  # NOTE: a streamed epoch saved mid-way resumes there
 
     # -- inference ---------------------------------------------------------------------------------------
     def _raw_predict(self, X) -> np.ndarray:
