@@ -12,6 +12,8 @@ cuts them into blocks of whole batches of about ``BLOCK_BYTES``, which the Train
 - held-out rows (early stopping, ``part=(name, fraction, seed)``): row i of n is validation when π(i) < ⌈f·n⌉,
   π a permutation of [0, n) drawn from the seed (``held_rows``): the same rows whatever the chunking, the
   epoch or the number of ranks. User batches are held out whole: batch k when ``floor((k+1)·f) > floor(k·f)``.
+- resume: ``epoch(start=...)`` remakes an epoch's blocks and skips those already trained (the Trainer saves
+  that position at most every ``CHECKPOINT_SECONDS``).
 """
 
 from __future__ import annotations

@@ -272,7 +272,8 @@ class Trainer:
         up to ``max_iter`` epochs in all. ``X`` may also be streamed (``onnxopt.stream``): an iterable of
         batches ``(X, y[, sample_weight])``, numpy memmaps, a Parquet file or folder or a
         ``pyarrow.dataset.Dataset`` whose ``features`` and ``target`` columns are named (``sample_weight`` then
-        names a column); checkpoints are then per epoch, as with arrays.
+        names a column); a source larger than ``stream.CACHE_BYTES`` then also checkpoints its position within an
+        epoch (at most every ``stream.CHECKPOINT_SECONDS``), and a fit resumed from it continues mid-epoch.
         """
         data = stream.as_stream(X, y, sample_weight, features, target)
         if data is not None and data.small:  # NOTE: read whole, trained as arrays (split, scaling, shuffle)
