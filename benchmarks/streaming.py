@@ -12,7 +12,7 @@ floats (the features of a row side by side: read without a transposition) instea
 Memory: a subprocess fits W1's MLP (batch 256) on ``--rss-rows`` rows of 100 float32 features, and reports its
 peak RSS (VmHWM: ru_maxrss would start from this parent's) before and after the fit beside the file's size.
 
-    python benchmarks/streaming.py W1-sgd W1x160 W3 W3-list [--rounds 5] [--rss-rows 2500000]
+    python benchmarks/streaming.py W1-sgd W1x160 W3 W3-list [--rounds 3] [--rss-rows 1500000]  (under 3 minutes on 2 idle cores)
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ def peak_rss(rows: int, folder: str) -> tuple[int, int, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workloads", nargs="*", default=["W1-sgd", "W1x160", "W3", "W3-list"])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--rss-rows", type=int, default=2_500_000)
+    parser.add_argument("--rss-rows", type=int, default=1_500_000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         print("load average before: %.2f %.2f %.2f\n" % os.getloadavg())
