@@ -5,13 +5,14 @@ fit on the arrays and a fit on the same rows in a Parquet file (row groups of 81
 random floats never repeat, and trying costs 2.7× on read), ``--rounds`` times; the
 ratio is the median of the paired ratios in-memory time / streamed time (>= 0.9 is the target). "Reading alone"
 is the time to read and cut the file into blocks once, nothing trained: what the prefetch thread must hide.
-W1 runs at its own 750 rows, which a stream reads once and keeps (at most ``stream.CACHE_BYTES``, 12 MB), 10×
-``--epochs`` a fit (opening the file would weigh on 3 epochs of 5 ms), and at 120,000 rows ("W1x160", 48 MB),
-read from the file every epoch.
+W1 runs at its own 750 rows, which a fit reads whole and trains as arrays (at most ``stream.CACHE_BYTES``,
+12 MB), 10× ``--epochs`` a fit (opening the file would weigh on 3 epochs of 5 ms), and at 120,000 rows
+("W1x160", 48 MB), read from the file every epoch. "W3-list" is W3 written as one FixedSizeList column of 784
+floats (the features of a row side by side: read without a transposition) instead of 784 columns.
 Memory: a subprocess fits W1's MLP (batch 256) on ``--rss-rows`` rows of 100 float32 features, and reports its
 peak RSS (VmHWM: ru_maxrss would start from this parent's) before and after the fit beside the file's size.
 
-    python benchmarks/streaming.py W1-sgd W1x160 W3 [--rounds 5] [--rss-rows 2500000]
+    python benchmarks/streaming.py W1-sgd W1x160 W3 W3-list [--rounds 3] [--rss-rows 1500000]  (under 3 minutes on 2 idle cores)
 """
 
 from __future__ import annotations
@@ -35,24 +36,27 @@ from onnxopt.bench.competitors import _onnxopt_update
 from onnxopt.bench.workloads import WORKLOADS
 
 
-def _write(path: str, X: np.ndarray, y: np.ndarray) -> None:
-    pq.write_table(pa.table({**{f"f{i}": X[:, i] for i in range(X.shape[1])}, "y": y}), path, row_group_size=8192,
-                   use_dictionary=False)
+def _write(path: str, X: np.ndarray, y: np.ndarray, tensor: bool = False) -> None:
+    """One float column per feature, or one FixedSizeList column holding each row's features (``tensor``)."""
+    cols = {"x": pa.FixedSizeListArray.from_arrays(X.reshape(-1), X.shape[1])} if tensor else \
+        {f"f{i}": X[:, i] for i in range(X.shape[1])}
+    pq.write_table(pa.table({**cols, "y": y}), path, row_group_size=8192, use_dictionary=False)
 
 
 def speed(name: str, rounds: int, epochs: int, folder: str) -> tuple[float, float, list[float]]:
-    wl = WORKLOADS["W1-sgd"] if name == "W1x160" else WORKLOADS[name]
+    wl = WORKLOADS["W1-sgd"] if name == "W1x160" else WORKLOADS[name.removesuffix("-list")]
     if name == "W1x160":
         wl = dataclasses.replace(wl, n=wl.n * 160)
     X, y = wl.data()
     path = os.path.join(folder, f"{name}.parquet")
-    _write(path, X, y)
+    _write(path, X, y, tensor=name.endswith("-list"))
     est = onnxopt.Trainer(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update), learning_rate=wl.lr,
                           batch_size=wl.batch, max_iter=epochs, shuffle=False, tol=None, warm_start=True)
     est.fit(X, y)
     memory, streamed = [], []
     for _ in range(rounds):
         for source, times in (((X, y), memory), ((path,), streamed)):
+            time.sleep(0.1)  # NOTE: ORT's threads spin ~35 ms after a run
             t0 = time.perf_counter()
             est.fit(*source, target="y")
             times.append((time.perf_counter() - t0) / epochs)
@@ -94,12 +98,13 @@ def peak_rss(rows: int, folder: str) -> tuple[int, int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workloads", nargs="*", default=["W1-sgd", "W1x160", "W3"])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("workloads", nargs="*", default=["W1-sgd", "W1x160", "W3", "W3-list"])
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--rss-rows", type=int, default=2_500_000)
+    parser.add_argument("--rss-rows", type=int, default=1_500_000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
+        print("load average before: %.2f %.2f %.2f\n" % os.getloadavg())
         print("| workload | in-memory epoch (ms) | streamed epoch (ms) | speed ratio (median; rounds) "
               "| reading alone, first epoch (ms) |")
         print("| --- | --- | --- | --- | --- |")
@@ -107,6 +112,7 @@ def main() -> None:
             mem, st, ratios, read = speed(name, args.rounds, args.epochs * (10 if name == "W1-sgd" else 1), folder)
             print(f"| {name} | {1e3 * mem:.1f} | {1e3 * st:.1f} | {statistics.median(ratios):.2f} "
                   f"({', '.join(f'{r:.2f}' for r in ratios)}) | {1e3 * read:.1f} |", flush=True)
+        print("\nload average after: %.2f %.2f %.2f" % os.getloadavg())
         if args.rss_rows:
             size, before, peak, seconds = peak_rss(args.rss_rows, folder)
             print(f"\npeak RSS of a shuffled 1-epoch fit on {args.rss_rows} rows ({size / 1e6:.0f} MB of Parquet, "

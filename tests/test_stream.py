@@ -19,6 +19,12 @@ pq = pytest.importorskip("pyarrow.parquet")
 N, D = 600, 6
 
 
+@pytest.fixture(autouse=True)
+def streamed(monkeypatch):
+    """Every source streamed (a source of at most CACHE_BYTES is otherwise read whole and trained as arrays)."""
+    monkeypatch.setattr(stream, "CACHE_BYTES", 0)
+
+
 @pytest.fixture(scope="module")
 def data():
     rng = np.random.default_rng(3)
@@ -115,16 +121,40 @@ def test_shuffled_blocks_cover_every_row_once_per_epoch(data, tmp_path):
     np.testing.assert_array_equal(plain, X)  # NOTE: shuffle=False keeps the file's order
 
 
-def test_held_out_chunks_partition_the_data(data, tmp_path):
+@pytest.mark.parametrize("group", [600, 60, 7])
+def test_held_out_rows_partition_the_data_whatever_the_chunking(group, data, tmp_path):
+    """The validation rows are the same for one row group, ten or 86, and the same every epoch (shuffled)."""
     X, y, _ = data
-    pq.write_table(_table(X, y), tmp_path / "d.parquet", row_group_size=60)  # NOTE: 10 row groups
+    pq.write_table(_table(X, y), tmp_path / "d.parquet", row_group_size=group)
     source = stream.as_stream(tmp_path / "d.parquet", target="y")
-    train = np.concatenate([p[0] for p in stream.blocks(source, 32, part=("train", 0.2))])
-    val = np.concatenate([p[0] for p in stream.blocks(source, 32, part=("validation", 0.2))])
-    assert (len(train), len(val)) == (480, 120)
-    np.testing.assert_array_equal(np.sort(np.concatenate([train, val])[:, 0]), np.sort(X[:, 0]))
+    val = np.concatenate([p[0] for p in stream.blocks(source, 32, part=("validation", 0.2, 5))])
+    assert len(val) == 120  # NOTE: ceil(0.2 · 600), as arrays hold out
+    expected = X[np.flatnonzero(stream.held_rows(0, N, N, ("validation", 0.2, 5)))]
+    np.testing.assert_array_equal(val, expected)
+    for epoch in range(2):
+        train = np.concatenate([p[0] for p in stream.blocks(source, 32, np.random.default_rng([0, epoch]),
+                                                            part=("train", 0.2, 5))])
+        assert len(train) == 480
+        np.testing.assert_array_equal(np.sort(np.concatenate([train, val])[:, 0]), np.sort(X[:, 0]))
+    other = stream.held_rows(0, N, N, ("validation", 0.2, 6))
+    assert other.sum() == 120 and not np.array_equal(other, stream.held_rows(0, N, N, ("validation", 0.2, 5)))
     est = _fit(tmp_path / "d.parquet", target="y", early_stopping=True, max_iter=3)
     assert len(est.validation_losses_) == 3 and all(np.isfinite(est.validation_losses_))
+
+
+def test_held_rows_is_a_permutation_split():
+    """Rows [start, start + count) asked in pieces give the rows asked whole; the count is ceil(f · n)."""
+    for n in (1, 2, 3, 17, 1000, 4097):
+        for f in (0.1, 0.5, 0.9):
+            if int(np.ceil(f * n)) >= n:
+                with pytest.raises(DataError, match="validation_fraction"):
+                    stream.held_rows(0, n, n, ("validation", f, 0))
+                continue
+            whole = stream.held_rows(0, n, n, ("validation", f, 0))
+            assert whole.sum() == int(np.ceil(f * n))
+            pieces = np.concatenate([stream.held_rows(a, min(7, n - a), n, ("validation", f, 0)) for a in range(0, n, 7)])
+            np.testing.assert_array_equal(whole, pieces)
+            np.testing.assert_array_equal(~whole, stream.held_rows(0, n, n, ("train", f, 0)))
 
 
 def test_stream_resume_equals_uninterrupted_run(data, tmp_path):
@@ -134,6 +164,35 @@ def test_stream_resume_equals_uninterrupted_run(data, tmp_path):
     _fit(tmp_path / "d.parquet", target="y", shuffle=True, max_iter=2, checkpoint_dir=tmp_path / "ck")
     resumed = _fit(tmp_path / "d.parquet", target="y", shuffle=True, max_iter=4, checkpoint_dir=tmp_path / "ck")
     _same(whole, resumed)
+
+
+def test_stream_resume_mid_epoch_equals_uninterrupted_run(data, tmp_path, monkeypatch):
+    """A streamed fit stopped in the middle of its second epoch (after a checkpoint of its position) and
+    resumed gives the weights and losses of the uninterrupted fit: shuffled, with held-out rows."""
+    X, y, _ = data
+    pq.write_table(_table(X, y), tmp_path / "d.parquet", row_group_size=64)
+    monkeypatch.setattr(stream, "BLOCK_BYTES", 2048)  # NOTE: blocks of 64 rows: 9 blocks an epoch
+    monkeypatch.setattr(stream, "CHECKPOINT_SECONDS", 0.0)  # NOTE: the position saved after every block
+    kw = dict(target="y", shuffle=True, max_iter=3, early_stopping=True)
+    whole = _fit(tmp_path / "d.parquet", **kw)
+    calls, train = [], onnxopt.Trainer._epoch
+
+    def stopped(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 13:  # NOTE: the 4th block of epoch 2
+            raise RuntimeError("killed")
+        return train(self, *args, **kwargs)
+
+    monkeypatch.setattr(onnxopt.Trainer, "_epoch", stopped)
+    with pytest.raises(RuntimeError, match="killed"):
+        _fit(tmp_path / "d.parquet", checkpoint_dir=tmp_path / "ck", **kw)
+    monkeypatch.setattr(onnxopt.Trainer, "_epoch", train)
+    from onnxopt.checkpoint import load_arrays
+
+    assert load_arrays(tmp_path / "ck" / "trainer.ckpt")[1]["position"][:2] == [1, 3]  # NOTE: epoch 2, 3 blocks
+    resumed = _fit(tmp_path / "d.parquet", checkpoint_dir=tmp_path / "ck", **kw)
+    _same(whole, resumed)
+    np.testing.assert_allclose(whole.validation_losses_, resumed.validation_losses_, rtol=1e-6)
 
 
 def test_stream_classifier_finds_classes_first(tmp_path):

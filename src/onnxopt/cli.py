@@ -216,6 +216,10 @@ def _fit(args: argparse.Namespace) -> int:
                   scale={"auto": "auto", "always": True, "never": False}[args.scale], **kwargs)
     t0 = time.perf_counter()
     features = args.features.split(",") if args.features else None
+    if y is None:  # NOTE: opened once; a small Parquet source trains as arrays (the Trainer would read it so)
+        X = as_stream(X, features=features, target=args.target)
+        if X.small:
+            X, y, _ = X.read_all()
     try:
         est.fit(X, y, features=features, target=args.target)
     except CheckpointError as exc:
@@ -227,7 +231,7 @@ def _fit(args: argparse.Namespace) -> int:
     _print_losses(est.train_losses_)
     early = f" (stopped early: improvement below --tol {args.tol})" if est.n_iter_ < args.epochs else ""
     trained = est.n_iter_ - (done or 0)
-    n = len(X) if y is not None else as_stream(X, features=features, target=args.target).rows
+    n = len(X) if y is not None else X.rows
     print(f"trained {trained} epochs{early} on {n} samples in {seconds:.2f} s; wrote {args.out}")
     if y is not None:  # NOTE: a streamed source is read once more by its metrics: not here
         _print_metrics(est, X, y, args.validation_fraction)

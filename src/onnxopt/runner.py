@@ -424,6 +424,8 @@ class Runner:
         read in a background thread, a block of batches ahead.
         """
         source = as_stream(X, y, sample_weight)
+        if source is not None and source.small:  # NOTE: read whole, run as arrays
+            (X, y, sample_weight), source = source.read_all(), None
         if source is not None:
             items = prefetch(blocks(source, self.batch_size if batch_size is None else batch_size, dtype=self.x_dtype))
             return np.concatenate([self.epoch(*b[:3], batch_size=b[3]) for b in items])

@@ -8,7 +8,12 @@ cuts them into blocks of whole batches of about ``BLOCK_BYTES``, which the Train
 - ``shuffle=True``: the chunks' order is permuted each epoch, then the rows within a buffer of
   ``SHUFFLE_BLOCKS`` blocks; user batches are kept as given, in their order.
 - memory: ``PREFETCH`` blocks queued, the shuffle buffer and one chunk (a Parquet row group's columns).
-- held-out chunks (early stopping): chunk k is validation when ``floor((k+1)·f) > floor(k·f)``, f the fraction.
+- a source of at most ``CACHE_BYTES`` (``small``) is read whole by ``read_all`` and trained as arrays.
+- held-out rows (early stopping, ``part=(name, fraction, seed)``): row i of n is validation when π(i) < ⌈f·n⌉,
+  π a permutation of [0, n) drawn from the seed (``held_rows``): the same rows whatever the chunking, the
+  epoch or the number of ranks. User batches are held out whole: batch k when ``floor((k+1)·f) > floor(k·f)``.
+- resume: ``epoch(start=...)`` remakes an epoch's blocks and skips those already trained (the Trainer saves
+  that position at most every ``CHECKPOINT_SECONDS``).
 """
 
 from __future__ import annotations
@@ -22,50 +27,104 @@ import numpy as np
 
 from onnxopt.errors import DataError
 
-__all__ = ["as_stream", "blocks", "prefetch", "BLOCK_BYTES", "SHUFFLE_BLOCKS", "PREFETCH", "MEMMAP_ROWS"]
+__all__ = ["as_stream", "blocks", "prefetch", "held_rows", "BLOCK_BYTES", "SHUFFLE_BLOCKS", "PREFETCH", "MEMMAP_ROWS",
+           "CACHE_BYTES"]
 
 BLOCK_BYTES = 2 << 20  # NOTE: a block of W1's batches (400 B rows, batch 15) holds 64 of them, of W3's (3 kB) 5
-MAX_BATCHES = 64  # NOTE: batches per block at most (one Scan run for small steps)
+MAX_BATCHES = 512  # NOTE: batches per block at most (one Scan run for small steps)
 SHUFFLE_BLOCKS = 4
 PREFETCH = 2
 MEMMAP_ROWS = 65536
-CACHE_BYTES = (SHUFFLE_BLOCKS + PREFETCH) * BLOCK_BYTES  # NOTE: what a stream may hold anyway
+CHECKPOINT_SECONDS = 60.0  # NOTE: a streamed epoch with checkpoint_dir saves its position at most this often
+READ_BYTES = 8 * BLOCK_BYTES  # NOTE: rows of a Parquet read (to_batches' batch_size)
+# NOTE: what a stream may hold anyway; ONNXOPT_STREAM_CACHE_BYTES changes it (0: always stream, for tests)
+CACHE_BYTES = int(os.environ.get("ONNXOPT_STREAM_CACHE_BYTES", (SHUFFLE_BLOCKS + PREFETCH) * BLOCK_BYTES))
+_M64 = (1 << 64) - 1
 
 
 def held_out(k: int, fraction: float) -> bool:
     return int((k + 1) * fraction) > int(k * fraction)
 
 
-class _Chunks:
-    """A source read as ``n`` chunks by index (``_read(k, rows)``), shuffled and held out by chunk; a source of at
-    most ``CACHE_BYTES`` is kept after its first reading (``cache``: None until the first chunk says)."""
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
-    batched, n, rows, cache = False, 0, None, None
+
+def _permute(x: np.ndarray, n: int, seed: int) -> np.ndarray:
+    """π(x) for x in [0, n): a 4-round Feistel network on [0, 4^h) >= n, walked until it lands below n."""
+    h = max(1, -(-max(n - 1, 1).bit_length() // 2))
+    mask = np.uint64((1 << h) - 1)
+    keys = [np.uint64(int(_mix(np.array([(seed * 4 + r) & _M64], np.uint64))[0])) for r in range(4)]
+    out = x.astype(np.uint64)
+    todo = np.ones(len(out), bool)
+    while todo.any():
+        v = out[todo]
+        left, right = v >> np.uint64(h), v & mask
+        for key in keys:
+            left, right = right, left ^ (_mix(right ^ key) & mask)
+        out[todo] = (left << np.uint64(h)) | right
+        todo[todo] = out[todo] >= np.uint64(n)
+    return out
+
+
+def held_rows(start: int, count: int, total: int, part) -> np.ndarray:
+    """Which of the rows [start, start + count) of ``total`` belong to ``part[0]`` ("train" or "validation") for
+    the fraction ``part[1]`` and seed ``part[2]``: validation rows are those whose π(i) < ⌈fraction·total⌉."""
+    name, fraction, seed = part
+    validation = _permute(np.arange(start, start + count, dtype=np.uint64), total, seed) < np.uint64(
+        _n_validation(total, fraction))
+    return validation if name == "validation" else ~validation
+
+
+def _n_validation(total: int, fraction: float) -> int:
+    n_val = int(np.ceil(fraction * total))
+    if not 0 < fraction < 1 or n_val >= total:
+        raise DataError(f"validation_fraction: expected a fraction in (0, 1) leaving training rows, got {fraction!r} "
+                        f"for {total} rows")
+    return n_val
+
+
+class _Chunks:
+    """A source read as ``n`` chunks by index (``_read(k, rows)``), chunk k starting at row ``offsets[k]``;
+    shuffled by chunk, held out by row (``held_rows``). ``width``: bytes of a row as stored."""
+
+    batched, n, rows, width = False, 0, None, 1
+
+    @property
+    def small(self) -> bool:
+        """At most ``CACHE_BYTES``: the Trainer reads it whole (``read_all``) and trains it as arrays."""
+        return self.rows is not None and self.rows * self.width <= CACHE_BYTES
+
+    def read_all(self) -> tuple:
+        """(X, y, sample_weight) of every row, in order."""
+        parts = [c for k in range(self.n) for c in self._read(k, 1 << 20)]
+        if not parts:
+            raise DataError("X: the source has no rows, expected at least one")
+        return _cat(parts)
 
     def chunks(self, rng, part, rows: int) -> Iterator[tuple]:
-        keys = [k for k in range(self.n) if part is None or held_out(k, part[1]) == (part[0] == "validation")]
-        if part is not None and not keys:
-            raise DataError(f"X: holding out a fraction {part[1]} of {self.n} chunk(s) leaves no {part[0]} data; "
-                            "expected more chunks (row groups, files or batches) or validation data")
-        for k in rng.permutation(keys) if rng is not None else keys:
-            if self.cache and k in self.cache:
-                yield from self.cache[k]
-                continue
-            parts = []  # NOTE: kept once the chunk is read whole (an epoch may stop half way)
+        if part is not None:
+            _n_validation(self.rows, part[1])
+        for k in rng.permutation(self.n) if rng is not None else range(self.n):
+            start = self.offsets[k]
             for c in self._read(int(k), rows):
-                if self.cache is None:
-                    self.cache = {} if self.rows * max(c[0][:1].nbytes, 1) <= CACHE_BYTES else False
-                if self.cache is not False:
-                    parts.append(c)
-                yield c
-            if self.cache is not False:
-                self.cache[k] = parts
+                n = len(c[0])
+                if part is not None:
+                    keep = held_rows(start, n, self.rows, part)
+                    if not keep.all():
+                        c = tuple(None if a is None else a[keep] for a in c)
+                start += n
+                if len(c[0]):
+                    yield c
 
 
 class _Batches:
     """The user's batches, each one step, in their order (an iterable iterated again each epoch)."""
 
-    batched, n, rows, cache = True, None, None, None
+    batched, n, rows, small = True, None, None, False
 
     def __init__(self, source):
         self.source = source
@@ -77,7 +136,7 @@ class _Batches:
             if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
                 raise DataError(f"X: batch {k} of the iterable: expected a tuple (X, y) or (X, y, sample_weight), "
                                 f"got {type(batch).__name__}{'' if not hasattr(batch, '__len__') else len(batch)}")
-            if part is None or held_out(k, part[1]) == (part[0] == "validation"):
+            if part is None or held_out(k, part[1]) == (part[0] == "validation"):  # NOTE: whole batches
                 yield (*batch, None) if len(batch) == 2 else tuple(batch)
         if not seen:
             raise DataError("X: the iterable of batches gave no batch (a generator is exhausted after one epoch: "
@@ -88,6 +147,8 @@ class _Memmap(_Chunks):
     def __init__(self, X, y, sw):
         self.arrays, self.rows = (X, y, sw), len(X)
         self.n = -(-len(X) // MEMMAP_ROWS)
+        self.offsets = [k * MEMMAP_ROWS for k in range(self.n)]
+        self.width = sum(a[:1].nbytes for a in self.arrays if a is not None) or 1
 
     def _read(self, k: int, rows: int):
         for a in range(k * MEMMAP_ROWS, min((k + 1) * MEMMAP_ROWS, self.rows), rows):
@@ -96,50 +157,105 @@ class _Memmap(_Chunks):
 
 
 class _Parquet(_Chunks):
-    """Row groups of a ``pyarrow.dataset.Dataset``; features are scalar or list columns, stacked side by side."""
+    """Row groups of a ``pyarrow.dataset.Dataset``; features are numeric scalar or list columns, side by side
+    (pandas' index columns are not features unless named)."""
 
-    def __init__(self, dataset, features, target, weight):
-        names = dataset.schema.names
-        features = [c for c in names if c not in (target, weight)] if features is None else list(features)
+    def __init__(self, dataset, features, target, weight, files: bool = False):
+        import pyarrow as pa
+
+        schema, names = dataset.schema, dataset.schema.names
+        if features is None:
+            index = [c for c in (schema.pandas_metadata or {}).get("index_columns", []) if isinstance(c, str)]
+            features = [c for c in names if c not in (target, weight, *index)]
+        features = list(features)
         for what, cols in (("features", features), ("target", [target]), ("sample_weight", [weight])):
             bad = [c for c in cols if c is not None and c not in names]
             if bad or (what == "features" and not cols):
                 raise DataError(f"{what}: expected column(s) of {names}, got {bad or cols}")
         if target is None:
             raise DataError(f"target: a Parquet source needs the target column named (one of {names}), got None")
+        for c in features + ([weight] if weight else []):
+            t = schema.field(c).type
+            value = t.value_type if pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t) \
+                else t
+            if not (pa.types.is_integer(value) or pa.types.is_floating(value) or pa.types.is_boolean(value)):
+                raise DataError(f"{'features' if c in features else 'sample_weight'}: column {c!r} has type {t}, "
+                                "expected numbers (ints, floats, bools or lists of them)")
         self.features, self.columns = features, [*features, target, *([weight] if weight else [])]
-        self.pieces = [g for f in dataset.get_fragments() for g in f.split_by_row_group()]
-        self.n, self.rows = len(self.pieces), dataset.count_rows()
-        # NOTE: reads of about BLOCK_BYTES; a fragment's head reads one row group (a dataset's, many files)
-        first = self.pieces[0].head(1, columns=self.columns).to_batches() if self.pieces else []
-        width = sum(_column(c).nbytes for c in first[0].columns) if first and first[0].num_rows else 4
-        self.read_rows = max(256, BLOCK_BYTES // width)
+        if files:  # NOTE: a file or folder: row groups read by ParquetFile (a third less CPU than fragments' scans)
+            import pyarrow.parquet as pq
+
+            fs = dataset.filesystem  # NOTE: footers read once; a file is opened for each read (no open handles)
+            metas = [(f, pq.read_metadata(fs.open_input_file(f))) for f in dataset.files]
+            self.pieces = [(fs, f, m, g) for f, m in metas for g in range(m.num_row_groups)]
+            counts = [m.row_group(g).num_rows for _, _, m, g in self.pieces]
+        else:
+            self.pieces = [g for f in dataset.get_fragments() for g in f.split_by_row_group()]
+            counts = [sum(rg.num_rows for rg in g.row_groups) for g in self.pieces]
+        self.n, self.rows = len(self.pieces), int(sum(counts))
+        self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+        # NOTE: reads of about READ_BYTES: pyarrow's cost per column and read falls with longer reads
+        widths = [_bits(schema.field(c).type) for c in self.columns]
+        if all(w >= 8 for w in widths):  # NOTE: fixed-width columns (bools count 1 bit): no read
+            self.width = sum(w // 8 for w in widths)
+        else:
+            first = next(self._batches(0, 1), None) if self.rows else None
+            self.width = sum(_column(c, "").nbytes for c in first.columns) if first is not None else 4
+        self.read_rows = max(256, READ_BYTES // self.width)
         self.weighted = weight is not None
-        types = {dataset.schema.field(c).type for c in features}  # NOTE: numeric columns of one type: to_tensor
-        self.tensor = len(features) > 1 and len(types) == 1 and np.dtype(types.pop().to_pandas_dtype()).kind in "biuf"
+        types = {schema.field(c).type for c in features}  # NOTE: numeric columns of one type: to_tensor
+        self.tensor = len(features) > 1 and len(types) == 1 and np.dtype(types.pop().to_pandas_dtype()).kind in "iuf"
+
+    def _batches(self, k: int, rows: int):
+        # NOTE: one decoding thread: Arrow's pool would take the cores ORT's threads train on
+        if isinstance(self.pieces[k], tuple):
+            import pyarrow.parquet as pq
+
+            fs, path, meta, g = self.pieces[k]
+            with fs.open_input_file(path) as f:
+                yield from pq.ParquetFile(f, metadata=meta).iter_batches(batch_size=rows, row_groups=[g],
+                                                                         columns=self.columns, use_threads=False)
+        else:
+            yield from self.pieces[k].to_batches(columns=self.columns, batch_size=rows, use_threads=False)
 
     def _read(self, k: int, rows: int):
         nf = len(self.features)
-        # NOTE: one decoding thread: Arrow's pool would take the cores ORT's threads train on
-        for rb in self.pieces[k].to_batches(columns=self.columns, batch_size=self.read_rows, use_threads=False):
+        for rb in self._batches(k, self.read_rows):
+            nulls = [c for c, col in zip(self.columns, rb.columns) if col.null_count]
+            if nulls:
+                raise DataError(f"column {nulls[0]!r}: {rb.column(nulls[0]).null_count} null value(s) in row group "
+                                f"{k}; expected none (fill or drop them, e.g. pandas' fillna/dropna)")
             X = np.asarray(rb.select(self.features).to_tensor(row_major=True)) if self.tensor else None
-            cols = [_column(rb.column(i)) for i in range(0 if X is None else nf, rb.num_columns)]
+            cols = [_column(rb.column(i), self.columns[i]) for i in range(0 if X is None else nf, rb.num_columns)]
             if X is None:
                 X, cols = cols[0] if nf == 1 else np.hstack(cols[:nf]), cols[nf:]
-            yield X, np.array(cols[0][:, 0] if cols[0].shape[1] == 1 else cols[0]), np.array(cols[1][:, 0]) if self.weighted else None
+            yield X, cols[0][:, 0] if cols[0].shape[1] == 1 else cols[0], cols[1][:, 0] if self.weighted else None
 
 
-def _column(col) -> np.ndarray:
+def _bits(t) -> int:
+    """Bits of a fixed-width Arrow type, 0 for others (lists, strings)."""
+    try:
+        return int(t.bit_width)
+    except ValueError:
+        return 0
+
+
+def _column(col, name: str) -> np.ndarray:
     """An Arrow column as (n, k): a scalar column as (n, 1), a (fixed-size) list column as its values."""
     import pyarrow as pa
 
     if pa.types.is_list(col.type) or pa.types.is_fixed_size_list(col.type) or pa.types.is_large_list(col.type):
-        return col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), -1)
+        values = col.flatten().to_numpy(zero_copy_only=False)
+        if len(col) and values.size % len(col):
+            raise DataError(f"column {name!r}: lists of different lengths, expected one length for every row")
+        return values.reshape(len(col), -1)
     return col.to_numpy(zero_copy_only=False).reshape(len(col), 1)
 
 
 def as_stream(X, y=None, sample_weight=None, features=None, target=None):
     """The stream over ``X`` when it is one (see the module's docstring), else None (arrays)."""
+    if isinstance(X, (_Chunks, _Batches)):
+        return X
     if isinstance(X, np.memmap) or isinstance(y, np.memmap):
         return _Memmap(X, y, sample_weight)
     if isinstance(X, (str, os.PathLike)) or type(X).__module__.startswith("pyarrow"):
@@ -150,10 +266,12 @@ def as_stream(X, y=None, sample_weight=None, features=None, target=None):
         if isinstance(X, (str, os.PathLike)):
             if not os.path.exists(X):
                 raise DataError(f"X: expected a Parquet file or folder, got {os.fspath(X)!r}, which does not exist")
-            X = ds.dataset(os.fspath(X), format="parquet")
+            X, files = ds.dataset(os.fspath(X), format="parquet"), True
+        else:
+            files = False
         if y is not None:
             raise DataError(f"y: a Parquet source reads its target from column target={target!r}, got an array")
-        return _Parquet(X, features, target, sample_weight)
+        return _Parquet(X, features, target, sample_weight, files)
     if isinstance(X, np.ndarray) or hasattr(X, "__array__") or hasattr(X, "iloc") or isinstance(X, (list, tuple)):
         return None
     if callable(X) or hasattr(X, "__iter__"):
@@ -213,7 +331,14 @@ def blocks(stream, batch: int, rng: np.random.Generator | None = None, part=None
 def _cut(buf: tuple, rows: int, size: int, rng, batch: int, cut: int) -> Iterator[tuple]:
     """Blocks (copies) of ``size`` rows from the first ``cut`` of the ``rows`` rows of ``buf``, shuffled by
     ``rng``; the rows after ``cut`` move to the front of ``buf``."""
-    order = rng.permutation(rows) if rng is not None else np.arange(rows)
+    if rng is None:  # NOTE: in order: copies of slices (a memcpy, not a gather)
+        for i in range(0, cut, size):
+            yield (*(None if a is None else a[i:min(i + size, cut)].copy() for a in buf), batch)
+        for a in buf:
+            if a is not None:
+                a[:rows - cut] = a[cut:rows].copy()
+        return
+    order = rng.permutation(rows)
     for i in range(0, cut, size):
         yield (*(None if a is None else a[order[i:min(i + size, cut)]] for a in buf), batch)
     for a in buf:
@@ -260,13 +385,22 @@ def prefetch(items: Iterator, depth: int = PREFETCH) -> Iterator:
                 thread.join(0.01)
 
 
-def epoch(run: Callable, stream, batch: int, rng=None, part=None, dtype=None) -> tuple[float, int]:
-    """Runs ``run(X, y, sample_weight, batch) -> mean loss`` on each block; returns (mean loss, rows)."""
-    total, n, items = 0.0, 0, blocks(stream, batch, rng, part, dtype)
-    cached = isinstance(stream.cache, dict) and len(stream.cache) == stream.n  # NOTE: nothing to read: no thread
-    for X, y, sw, b in items if cached else prefetch(items):
+def epoch(run: Callable, stream, batch: int, rng=None, part=None, dtype=None, prepare=None,
+          start: tuple[int, float, int] = (0, 0.0, 0), after: Callable | None = None) -> tuple[float, int]:
+    """Runs ``run(X, y, sample_weight, batch) -> mean loss`` on each block; returns (mean loss, rows).
+    ``prepare(X, y, sample_weight) -> (X, y, sample_weight)`` (checks, encoding) runs in the reading thread.
+    ``start=(blocks, loss sum, rows)`` resumes an epoch: its first ``blocks`` blocks are made (the same
+    chunk order and shuffle) and skipped; ``after(blocks, loss sum, rows)`` is called after each block."""
+    skip, total, n = start
+    items = blocks(stream, batch, rng, part, dtype)
+    items = (b if k < skip or prepare is None else (*prepare(*b[:3]), b[3]) for k, b in enumerate(items))
+    for k, (X, y, sw, b) in enumerate(prefetch(items)):
+        if k < skip:
+            continue
         total += run(X, y, sw, b) * len(X)
         n += len(X)
+        if after is not None:
+            after(k + 1, total, n)
     if not n:
         raise DataError("X: the stream gave no rows in this epoch")
     return total / n, n

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 import warnings
 
 import numpy as np
@@ -160,6 +161,7 @@ class Trainer:
         self.n_iter_, self.train_losses_, self.validation_losses_ = 0, [], []
         self._seed = _seed(self.random_state)
         self._best = (np.inf, 0, None)  # NOTE: best loss, epochs without improvement, weights of the best
+        self._position = None  # NOTE: (epoch, blocks, loss sum, rows) of a streamed epoch resumed mid-way
         inputs = {i.name: i for i in self.runner_.session.get_inputs()}
         self._x_shape = inputs[self.train_step_.inputs[0]].shape
         self._y_shape = None
@@ -270,15 +272,21 @@ class Trainer:
         up to ``max_iter`` epochs in all. ``X`` may also be streamed (``onnxopt.stream``): an iterable of
         batches ``(X, y[, sample_weight])``, numpy memmaps, a Parquet file or folder or a
         ``pyarrow.dataset.Dataset`` whose ``features`` and ``target`` columns are named (``sample_weight`` then
-        names a column); checkpoints are then per epoch, as with arrays.
+        names a column); a source larger than ``stream.CACHE_BYTES`` then also checkpoints its position within an
+        epoch (at most every ``stream.CHECKPOINT_SECONDS``), and a fit resumed from it continues mid-epoch.
         """
+        data = stream.as_stream(X, y, sample_weight, features, target)
+        if data is not None and data.small:  # NOTE: read whole, trained as arrays (split, scaling, shuffle)
+            X, y, sample_weight = data.read_all()
+        elif data is not None:
+            X, y, sample_weight = data, None, None
         if self.warm_start and hasattr(self, "runner_"):
             until = self.n_iter_ + self.max_iter
         else:
             self._initialize(X, y)
             self._resume()
             until = self.max_iter
-        self._fit(X, y, sample_weight, until, columns=(features, target))
+        self._fit(X, y, sample_weight, until)
         return self
 
     def partial_fit(self, X, y=None, sample_weight=None, classes=None) -> Trainer:
@@ -293,10 +301,13 @@ class Trainer:
         self._fit(X, y, sample_weight, self.n_iter_ + 1, stop=False)
         return self
 
-    def _fit(self, X, y, sample_weight, until: int, stop: bool = True, columns=(None, None)) -> None:
+    def _fit(self, X, y, sample_weight, until: int, stop: bool = True) -> None:
         if self._predictor is None:
             self._sessions()
-        data = stream.as_stream(X, y, sample_weight, *columns)
+        data = stream.as_stream(X, y, sample_weight)
+        if data is not None and data.small:
+            X, y, sample_weight = data.read_all()
+            data = None
         if data is not None:
             train, validate, n_batches = self._stream(data, stop)
         else:
@@ -352,18 +363,32 @@ class Trainer:
         held = self.early_stopping and stop
         if held and not 0 < self.validation_fraction < 1:
             raise DataError(f"validation_fraction: expected a fraction in (0, 1), got {self.validation_fraction!r}")
+        fraction = (self.validation_fraction, self._seed)  # NOTE: held-out rows (stream.held_rows), every epoch
 
-        def block(X, y, sw, b, bar=None):
-            X, y, sw = self._validate(X, y, sw, fit=True)
-            return self._epoch(X, y, sw, b, bar, shuffle=False) if bar is not None else self._validation_loss(X, y, sw)
+        def block(X, y, sw, b, bar=None):  # NOTE: a last block shorter than a batch is that batch
+            return self._epoch(X, y, sw, min(b, len(X)), bar, shuffle=False) if bar is not None \
+                else self._validation_loss(X, y, sw)
+
+        def prepare(X, y, sw):  # NOTE: in the reading thread: checks and label encoding off the training thread
+            return self._validate(X, y, sw, fit=True)
 
         def train(bar):
             rng = np.random.default_rng([self._seed, self.n_iter_]) if self.shuffle else None
-            part = ("train", self.validation_fraction) if held else None
-            return stream.epoch(lambda *b: block(*b, bar), data, batch, rng, part, self.runner_.x_dtype)[0]
+            part = ("train", *fraction) if held else None
+            position, self._position = getattr(self, "_position", None), None
+            start = tuple(position[1:]) if position and position[0] == self.n_iter_ else (0, 0.0, 0)
+            last = [time.monotonic()]
+
+            def after(blocks, total, rows):  # NOTE: the stream's position, resumed by the next fit (mid-epoch)
+                if self.checkpoint_dir is not None and time.monotonic() - last[0] >= stream.CHECKPOINT_SECONDS:
+                    self._save_checkpoint(position=[self.n_iter_, blocks, total, rows])
+                    last[0] = time.monotonic()
+
+            return stream.epoch(lambda *b: block(*b, bar), data, batch, rng, part, self.runner_.x_dtype, prepare,
+                                start, after)[0]
 
         def validate():
-            return stream.epoch(block, data, batch, None, ("validation", self.validation_fraction), self.runner_.x_dtype)[0]
+            return stream.epoch(block, data, batch, None, ("validation", *fraction), self.runner_.x_dtype, prepare)[0]
 
         return train, validate if held else None, -(-data.rows // batch) if data.rows and not data.batched else None
 
@@ -428,13 +453,14 @@ class Trainer:
         return count > self.n_iter_no_change
 
     # -- checkpoints -------------------------------------------------------------------------------------
-    def _save_checkpoint(self) -> None:
-        """Weights, optimizer state and the epoch history in one file, atomic and checksummed."""
+    def _save_checkpoint(self, position: list | None = None) -> None:
+        """Weights, optimizer state and the epoch history in one file, atomic and checksummed; ``position``
+        (epoch, blocks, loss sum, rows) of a streamed epoch saved mid-way."""
         if self.checkpoint_dir is None:
             return
         os.makedirs(self.checkpoint_dir, exist_ok=True)
         meta = {"kind": _KIND, "n_iter": self.n_iter_, "seed": self._seed, "train_losses": self.train_losses_,
-                "validation_losses": self.validation_losses_, "best": list(self._best[:2])}
+                "validation_losses": self.validation_losses_, "best": list(self._best[:2]), "position": position}
         self.runner_.save_checkpoint(os.path.join(self.checkpoint_dir, _CHECKPOINT), meta)
 
     def _resume(self) -> None:
@@ -445,6 +471,7 @@ class Trainer:
         self.n_iter_, self._seed = meta["n_iter"], meta["seed"]
         self.train_losses_, self.validation_losses_ = meta["train_losses"], meta["validation_losses"]
         self._best = (*meta["best"], None)
+        self._position = meta.get("position")  # NOTE: a streamed epoch saved mid-way resumes there
 
     # -- inference ---------------------------------------------------------------------------------------
     def _raw_predict(self, X) -> np.ndarray:
