@@ -451,7 +451,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "  onnxopt fit model.onnx data.csv --target price --epochs 20 --batch-size 64 \\\n"
                                 "      --update adam --lr 0.001 --checkpoint ckpt/ -o trained.onnx")
     fit.add_argument("model", metavar="MODEL.onnx", help="the inference model, or a step from onnxopt compile")
-    fit.add_argument("data", metavar="DATA", help=".npz (arrays X and y), .csv with a header row, or a Parquet file or folder (streamed)")
+    fit.add_argument("data", metavar="DATA",
+                     help=".npz (arrays X and y), .csv with a header row, or a Parquet file or folder (streamed)")
     fit.add_argument("--target", default=None, help="target column (.csv, required) or array (.npz, default y)")
     fit.add_argument("-o", dest="out", required=True, metavar="TRAINED.onnx", help="where to write the model")
     fit.add_argument("--epochs", type=int, default=200, help="epochs at most (scikit-learn's MLP max_iter)")
