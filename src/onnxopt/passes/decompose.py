@@ -26,6 +26,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
 
+from onnxopt.autodiff.recurrent import _rebuild
 from onnxopt.autodiff.rewrite import GRADIENTS, REWRITES, load_rewrites
 
 __all__ = ["GRADIENTS", "RULES", "decompose", "register_gradients"]
@@ -129,18 +130,6 @@ def _complete_outputs(graph: ir.Graph) -> None:
         elif len(node.outputs) >= want:
             continue
         _rebuild(graph, node, inputs, max(want, len(node.outputs)))
-
-
-def _rebuild(graph: ir.Graph, node: ir.Node, inputs: list, n_outputs: int) -> None:
-    """Replaces ``node`` by the same op on ``inputs`` with ``n_outputs`` outputs, keeping names and uses."""
-    new = ir.node(node.op_type, inputs, attributes=dict(node.attributes), num_outputs=n_outputs,
-                  name=node.name, metadata_props=dict(node.metadata_props))
-    graph.insert_before(node, new)
-    for old, value in zip(node.outputs, new.outputs):
-        value.name, value.type, value.shape = old.name, old.type, old.shape
-        old.name = None
-        ir.convenience.replace_all_uses_with(old, value, replace_graph_outputs=True)
-    graph.remove(node, safe=True)
 
 
 def _expand_where_branches(graph: ir.Graph) -> None:
