@@ -6,9 +6,10 @@
 - the *update* step: clipping, schedule and update rule, compiled by ``compile_train_step`` on a linear model
   whose loss Σₖ ⟨Wₖ, Gₖ⟩ has the flat input G as its exact gradient, and run by a ``Runner`` (weights, state,
   step counter, checkpoints and ``export`` are the ``Runner``'s).
-Each step a rank scales its gradients and loss by its rows c (with sample weights, their sum), one all-reduce
-sums [c·g, c·loss, c] over the ranks, every rank divides by Σc and applies the same update: N ranks with a
-global batch B give the weights of one process with batch B, to float rounding. torch is imported only when a
+Each step a rank scales its gradients and loss by its share s = c / C of the global batch (c its rows, C the
+batch's; with sample weights, their sums: every rank holds the global batch, so s needs no collective), one
+all-reduce sums [s·g, s·loss] over the ranks and every rank applies the same update: N ranks with a global
+batch B give the weights of one process with batch B, to float rounding. torch is imported only when a
 launcher set ``WORLD_SIZE`` or torch is already loaded.
 """
 
@@ -196,13 +197,14 @@ class DataParallelRunner:
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.x_dtype = _numpy(types[grad.inputs[0]])
         self._y_dtype = _numpy(types[grad.target]) if grad.target else None
-        self._buffer = np.zeros(self._size + 2, self.updater.dtype)  # NOTE: [Σc·g, Σc·loss, Σc], all-reduced
+        self._buffer = np.zeros(self._size + 1, self.updater.dtype)  # NOTE: [Σ s·g, Σ s·loss], all-reduced
         if self._dist is not None:  # NOTE: torch owns the memory (numpy and ORT read it): freeing the tensor in a
             import torch  # gloo thread needs no GIL, which a tensor over a numpy array's memory would take
 
             self._tensor = torch.zeros(self._buffer.shape, dtype=getattr(torch, self._buffer.dtype.name))
             self._buffer = self._tensor.numpy()
         self._loss = np.zeros((), self.updater.dtype)
+        self._ones_cache = np.ones(0, self.updater.dtype)
         self._bindings: dict[int, ort.IOBinding] = {}
         self._checked = False
         digest = hashlib.sha256(grad.model.SerializeToString() + update.model.SerializeToString()).hexdigest()
@@ -234,6 +236,12 @@ class DataParallelRunner:
                 f"died or hung (timeout {TIMEOUT:.0f} s, ONNXOPT_TIMEOUT); the last complete checkpoint stays "
                 f"loadable ({str(exc).splitlines()[0][:200]})") from exc
 
+    def _ones(self, rows: int) -> np.ndarray:
+        """Sample weights of ones for ``rows`` rows (kept: the batches of an epoch share one)."""
+        if len(self._ones_cache) != rows:
+            self._ones_cache = np.ones(rows, self.updater.dtype)
+        return self._ones_cache
+
     def _binding(self) -> ort.IOBinding:
         """The gradient session's binding reading the updater's current weights (one per buffer set)."""
         key = self.updater._current
@@ -257,26 +265,31 @@ class DataParallelRunner:
                         (shape(X), shape(y), shape(sample_weight), n, self.updater.step_count))
             self._checked = True
         lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
-        sw = None if sample_weight is None else as_array(sample_weight, self.updater.dtype, "sample_weight")[lo:hi]
-        weight = float(hi - lo if sw is None else sw.sum())
+        if sample_weight is None:
+            sw, weight, total = None, hi - lo, n
+        else:  # NOTE: every rank holds the global batch's weights: its share needs no collective
+            sw = as_array(sample_weight, self.updater.dtype, "sample_weight")
+            weight, total = float(sw[lo:hi].sum(dtype=np.float64)), float(sw.sum(dtype=np.float64))
+            sw = sw[lo:hi]
+        share = weight / total if total else math.nan  # NOTE: 1 on one rank: no pass over the gradients
         buf = self._buffer
         if weight > 0:
             binding = self._binding()
             target = None if y is None else as_array(y, self._y_dtype, "y")[lo:hi]
             feeds = {step.inputs[0]: X[lo:hi], step.target: target,
-                     step.sample_weight: np.ones(hi - lo, self.updater.dtype) if sw is None else sw}
+                     step.sample_weight: self._ones(hi - lo) if sw is None else sw}
             for name, value in feeds.items():
                 if name is not None:
                     binding.bind_cpu_input(name, np.ascontiguousarray(value))
             self.session.run_with_iobinding(binding)
-            buf[:self._size] *= weight
-            buf[self._size:] = float(self._loss) * weight, weight
+            if share != 1:
+                np.multiply(buf[:self._size], share, out=buf[:self._size])
+            buf[self._size] = float(self._loss) * share
         else:
             buf[:] = 0
         if self._dist is not None:
             self._collective(lambda: self._dist.all_reduce(self._tensor), "the gradient all-reduce")
-        buf[:-1] /= buf[-1]
-        loss = float(buf[-2])
+        loss = float(buf[self._size])
         if not math.isfinite(loss):
             raise ConvergenceError(f"loss became {loss} at step {self.updater.step_count + 1}; the weights are "
                                    f"those that gave the last finite loss (step {self.updater.step_count}), see "
