@@ -2,7 +2,7 @@
 
 ``split_step`` compiles the training step in two parts:
 - the *gradient* step: forward, loss, backward and penalty on the rank's rows -> the loss and every weight's
-  gradient, concatenated in one flat output (``GRADS``);
+  gradient (``GRADS/<weight>``), each written into its slice of one flat buffer;
 - the *update* step: clipping, schedule and update rule, compiled by ``compile_train_step`` on a linear model
   whose loss Σₖ ⟨Wₖ, Gₖ⟩ has the flat input G as its exact gradient, and run by a ``Runner`` (weights, state,
   step counter, checkpoints and ``export`` are the ``Runner``'s).
@@ -114,12 +114,15 @@ def split_step(model, update="sgd", learning_rate=1e-2, **kwargs) -> tuple[Train
                          f"gradient, got buffers {grad.buffers} (use mode='eval' for BatchNormalization)")
     m = ir.from_proto(grad.model)
     outs = {v.name: v for v in m.graph.outputs}
-    tape = ir.tape.Tape(m.graph)
-    minus_one = tape.op("Constant", [], {"value": ir.tensor(np.array([-1], np.int64))})
-    flat = tape.op("Concat", [tape.op("Reshape", [outs[w + NEW], minus_one]) for w in grad.weights], {"axis": 0})
-    flat.name = GRADS
+    tape, grads = ir.tape.Tape(m.graph), []
+    for w in grad.weights:  # NOTE: one output per weight, each bound to its slice of the flat buffer: no Concat
+        value = outs[w + NEW]
+        if value in grads or value.producer() is None:
+            value = tape.op("Identity", [value])
+        value.name = f"{GRADS}/{w}"
+        grads.append(value)
     m.graph.outputs.clear()
-    m.graph.outputs.extend([outs[grad.loss], flat])
+    m.graph.outputs.extend([outs[grad.loss], *grads])
     passes.RemoveUnusedNodesPass()(m)
     for value in [v for v in m.graph.inputs if not v.uses()]:
         m.graph.inputs.remove(value)
@@ -183,6 +186,7 @@ class DataParallelRunner:
         self.train_step, self.device, self.batch_size = grad, device, batch_size
         weights = grad.initial_weights()
         self._size = sum(a.size for a in weights.values())
+        self._grad_shapes = {name: weights[name].shape for name in grad.weights}  # NOTE: the flat buffer's order
         cores = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
         def options(rows: int) -> ort.SessionOptions:  # NOTE: ORT's default pool capped to the cores of a local rank
@@ -251,7 +255,12 @@ class DataParallelRunner:
                 if name in self.train_step.weights:
                     binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(self.train_step.loss, ort.OrtValue.ortvalue_from_numpy(self._loss))
-            binding.bind_ortvalue_output(GRADS, ort.OrtValue.ortvalue_from_numpy(self._buffer[:self._size]))
+            offset = 0
+            for name, shape in self._grad_shapes.items():
+                size = int(np.prod(shape))
+                view = self._buffer[offset:offset + size].reshape(shape)
+                binding.bind_ortvalue_output(f"{GRADS}/{name}", ort.OrtValue.ortvalue_from_numpy(view))
+                offset += size
             self._bindings[key] = binding
         return self._bindings[key]
 
