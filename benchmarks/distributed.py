@@ -4,7 +4,9 @@ For each workload, alternating ``--rounds`` times: one process with ``Runner`` (
 ``DataParallelRunner`` on 1 rank and on 2 ranks (processes started here, gloo on 127.0.0.1, 1 thread each), each
 timing ``--epochs`` epochs of the workload's data after one untimed epoch. Reported: samples/s (median over the
 rounds), the 2-rank / 1-process ratio (target >= 1.7), and the all-reduce's share of a rank's step time, both
-as measured in the epochs (waits for the other rank included) and for 20 all-reduces of the same buffer alone.
+as measured in the epochs (waits for the other rank included) and for 20 all-reduces of the same buffer alone;
+the rest of a 2-rank step (its half batch's gradients and the update, both cores busy) against a 1-process step
+is the floor the all-reduce sits on.
 
     python benchmarks/distributed.py W3 W5 [--epochs 1] [--rounds 3]
 """
@@ -108,19 +110,20 @@ def main() -> None:
     if args.rank:
         return rank(args.rank, args.epochs)
     print("| workload | 1 process (samples/s) | 1 rank | 2 ranks | 2 ranks / 1 process | all-reduce share (2 ranks) "
-          "| all-reduce alone (ms) / step (ms) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| all-reduce alone (ms) / step (ms) | rest of a 2-rank step (ms) / 1-process step (ms) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     med = statistics.median
     for name in args.workloads:
         rows = []
         for _ in range(args.rounds):
             one, r1, two = single(name, args.epochs), ranks(name, 1, args.epochs), ranks(name, 2, args.epochs)
             rows.append((one, r1["samples_s"], two["samples_s"], two["allreduce_s"] / two["seconds"],
-                         1e3 * two["alone_s"], 1e3 * two["seconds"] / two["steps"]))
-        one, r1, r2, share, alone, step = (med(col) for col in zip(*rows))
+                         1e3 * two["alone_s"], 1e3 * two["seconds"] / two["steps"],
+                         1e3 * (two["seconds"] - two["allreduce_s"]) / two["steps"], 1e3 * WORKLOADS[name].batch / one))
+        one, r1, r2, share, alone, step, rest, single_step = (med(col) for col in zip(*rows))
         print(f"| {name} | {one:.0f} | {r1:.0f} | {r2:.0f} | {r2 / one:.2f} (rounds "
-              f"{', '.join(f'{r[2] / r[0]:.2f}' for r in rows)}) | {100 * share:.0f}% | {alone:.1f} / {step:.1f} |",
-              flush=True)
+              f"{', '.join(f'{r[2] / r[0]:.2f}' for r in rows)}) | {100 * share:.0f}% | {alone:.1f} / {step:.1f} "
+              f"| {rest:.1f} / {single_step:.1f} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -5,6 +5,7 @@ fault: "kill" (rank 1 SIGKILLs itself in epoch 2), "hang" (rank 1 sleeps there),
 rate differs), None.
 """
 
+import atexit
 import json
 import os
 import signal
@@ -12,9 +13,12 @@ import sys
 import time
 
 import numpy as np
+import torch.distributed as dist
 
 import onnxopt
 
+# NOTE: registered before onnxopt initializes the group, so it runs after onnxopt's own exit handler
+atexit.register(lambda: print("group left at exit:", not dist.is_initialized(), flush=True))
 cfg = json.loads(sys.argv[1])
 rank = int(os.environ["RANK"])
 with np.load(cfg["data"]) as data:

@@ -58,7 +58,7 @@ def _cli(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return out
 
 
-@pytest.mark.parametrize("update", ["sgd", "adam"])
+@pytest.mark.parametrize("update", ["adam"])  # NOTE: SGD: test_cli_workers_on_fewer_rows_than_ranks_times_batch
 def test_cli_two_workers_give_the_weights_of_one(update, tmp_path):
     """`onnxopt fit model.onnx data.parquet --target y --workers 2` and 1 worker, shuffled, from Parquet; with
     Adam the 2-rank run stops after 2 epochs and resumes from its checkpoint for the third."""
@@ -90,6 +90,25 @@ def test_cli_two_workers_give_the_weights_of_one(update, tmp_path):
     assert not any(np.array_equal(one[k], _weights(tmp_path / "m.onnx")[k]) for k in one if one[k].size > 1)
 
 
+def test_cli_workers_on_fewer_rows_than_ranks_times_batch(tmp_path):
+    """SGD on 5 rows, batch 4, 2 ranks: the last batch's row goes to rank 1 and rank 0 adds zeros; the weights of
+    one worker, and rank 0 alone prints."""
+    pytest.importorskip("torch.distributed")
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    X = np.random.default_rng(2).normal(size=(5, 3)).astype(np.float32)
+    pq.write_table(pa.table({"a": X[:, 0], "b": X[:, 1], "c": X[:, 2], "y": X.sum(1)}), tmp_path / "d.parquet")
+    onnx.save(mlp([3, 4, 1]), tmp_path / "m.onnx")
+    common = [str(tmp_path / "m.onnx"), str(tmp_path / "d.parquet"), "--target", "y", "--epochs", "2",
+              "--validation-fraction", "0", "--lr", "0.1", "--batch-size", "4", "--update", "sgd"]
+    assert main(["fit", *common, "--quiet", "-o", str(tmp_path / "one.onnx")]) == 0
+    out = _cli([*common, "--workers", "2", "-o", str(tmp_path / "two.onnx")])
+    assert out.stdout.count("trained 2 epochs on 5 samples") == 1 and out.stdout.count("mean loss") == 1, out.stdout
+    assert "Traceback" not in out.stderr and "Warning" not in out.stderr, out.stderr[-2000:]
+    one, two = _weights(tmp_path / "one.onnx"), _weights(tmp_path / "two.onnx")
+    for k in one:
+        np.testing.assert_allclose(two[k], one[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 @pytest.mark.parametrize("fault", ["kill", pytest.param("hang", marks=pytest.mark.slow), "disagree"])
 def test_a_faulty_rank_stops_the_others(fault, tmp_path):
     """Rank 1 is SIGKILLed or hangs in epoch 2, or runs another learning rate: rank 0 stops with a
@@ -109,7 +128,7 @@ def test_a_faulty_rank_stops_the_others(fault, tmp_path):
                               env={**ENV, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in range(2)]
     try:
-        _, err = procs[0].communicate(timeout=240)
+        out, err = procs[0].communicate(timeout=240)
     finally:
         for p in procs[1:]:
             p.kill()
@@ -117,6 +136,9 @@ def test_a_faulty_rank_stops_the_others(fault, tmp_path):
     assert procs[0].returncode != 0
     expected = "ranks disagree on the compiled steps" if fault == "disagree" else "another rank died or hung"
     assert "DistributedError" in err and expected in err, err[-2000:]
+    # NOTE: onnxopt destroys the group it made before the interpreter's teardown, where gloo's threads made
+    # ranks abort at exit ("terminate called without an active exception")
+    assert "group left at exit: True" in out and "terminate called" not in err, out + err[-2000:]
     if fault != "disagree":
         t0 = time.perf_counter()
         est = onnxopt.Trainer(str(tmp_path / "m.onnx"), update="sgd", learning_rate=0.01, max_iter=1,

@@ -208,6 +208,10 @@ def _fit(args: argparse.Namespace) -> int:
     if args.workers > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args)
     rank = int(os.environ.get("RANK", 0))  # NOTE: under a launcher, rank 0 alone prints and writes
+    if rank:  # NOTE: its warnings too (every rank meets the same data)
+        import warnings
+
+        warnings.simplefilter("ignore")
     if done is not None and rank == 0:
         print(f"resuming from the checkpoint in {args.checkpoint} after epoch {done}")
     est = Trainer(args.model, batch_size=args.batch_size, max_iter=args.epochs, random_state=args.seed,
@@ -237,6 +241,23 @@ def _fit(args: argparse.Namespace) -> int:
         _print_metrics(est, X, y, args.validation_fraction)
     return 0
 
+# NOTE: torch.distributed.run's agent, ending with the failed rank's exit code instead of its ChildFailedError
+# traceback and error log (the rank has printed its own one-line error)
+_AGENT = """import logging, sys
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+for name in list(logging.root.manager.loggerDict):
+    if name.startswith("torch.distributed.elastic"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+try:
+    run(parse_args(sys.argv[1:]))
+except ChildFailedError as exc:
+    code = exc.get_first_failure()[1].exitcode
+    sys.exit(code if code > 0 else 128 - code)
+"""
+
+
 def _launch(args: argparse.Namespace) -> int:
     """Runs this command again on ``--workers`` local ranks through ``torch.distributed.run`` (gloo)."""
     import subprocess
@@ -246,8 +267,8 @@ def _launch(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise _Fail(f"--workers: {args.workers} ranks need torch (pip install 'onnxopt[torch]'): {exc}") from exc
     env = {**os.environ, "ONNXOPT_TIMEOUT": str(args.timeout), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.workers}",
-           "--module", "onnxopt", *args.argv]
+    cmd = [sys.executable, "-c", _AGENT, "--standalone", f"--nproc-per-node={args.workers}", "--module", "onnxopt",
+           *args.argv]
     code = subprocess.call(cmd, env=env)
     if code:
         print(f"onnxopt fit: error: a rank of {args.workers} failed (exit code {code}); see its message above",
@@ -510,5 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (_Fail, OnnxoptError, OSError, ValueError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"onnxopt {args.command}: error: {message}", file=sys.stderr)
+        # NOTE: under --workers every rank meets the same bad input: rank 0 says it; a rank's own failure
+        # (DistributedError: a peer died, hung or disagrees) is said by each rank
+        if int(os.environ.get("RANK", 0)) == 0 or type(exc).__name__ == "DistributedError":
+            print(f"onnxopt {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -2,18 +2,20 @@
 
 ``split_step`` compiles the training step in two parts:
 - the *gradient* step: forward, loss, backward and penalty on the rank's rows -> the loss and every weight's
-  gradient, concatenated in one flat output (``GRADS``);
+  gradient (``GRADS/<weight>``), each written into its slice of one flat buffer;
 - the *update* step: clipping, schedule and update rule, compiled by ``compile_train_step`` on a linear model
   whose loss Σₖ ⟨Wₖ, Gₖ⟩ has the flat input G as its exact gradient, and run by a ``Runner`` (weights, state,
   step counter, checkpoints and ``export`` are the ``Runner``'s).
-Each step a rank scales its gradients and loss by its rows c (with sample weights, their sum), one all-reduce
-sums [c·g, c·loss, c] over the ranks, every rank divides by Σc and applies the same update: N ranks with a
-global batch B give the weights of one process with batch B, to float rounding. torch is imported only when a
+Each step a rank scales its gradients and loss by its share s = c / C of the global batch (c its rows, C the
+batch's; with sample weights, their sums: every rank holds the global batch, so s needs no collective), one
+all-reduce sums [s·g, s·loss] over the ranks and every rank applies the same update: N ranks with a global
+batch B give the weights of one process with batch B, to float rounding. torch is imported only when a
 launcher set ``WORLD_SIZE`` or torch is already loaded.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import math
@@ -63,9 +65,18 @@ def world() -> tuple[int, int, object]:
         import datetime
 
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+        atexit.register(_leave, dist)
     if not dist.is_initialized():
         return 0, 1, None
     return dist.get_rank(), dist.get_world_size(), dist
+
+
+def _leave(dist) -> None:
+    """Destroys the group ``world`` initialized, at exit while the interpreter is whole. Left to the interpreter's
+    teardown, gloo's worker and store threads outlive it: a rank (rank 0, which hosts the store, with a 5 MB buffer
+    on W5) then aborted now and then with "terminate called without an active exception" (exit code -6)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _linear(weights: dict[str, np.ndarray], opset: int) -> ir.Model:
@@ -103,19 +114,60 @@ def split_step(model, update="sgd", learning_rate=1e-2, **kwargs) -> tuple[Train
                          f"gradient, got buffers {grad.buffers} (use mode='eval' for BatchNormalization)")
     m = ir.from_proto(grad.model)
     outs = {v.name: v for v in m.graph.outputs}
-    tape = ir.tape.Tape(m.graph)
-    minus_one = tape.op("Constant", [], {"value": ir.tensor(np.array([-1], np.int64))})
-    flat = tape.op("Concat", [tape.op("Reshape", [outs[w + NEW], minus_one]) for w in grad.weights], {"axis": 0})
-    flat.name = GRADS
+    tape, grads = ir.tape.Tape(m.graph), []
+    for w in grad.weights:  # NOTE: one output per weight, each bound to its slice of the flat buffer: no Concat
+        value = outs[w + NEW]
+        if value in grads or value.producer() is None:
+            value = tape.op("Identity", [value])
+        value.name = f"{GRADS}/{w}"
+        grads.append(value)
     m.graph.outputs.clear()
-    m.graph.outputs.extend([outs[grad.loss], flat])
+    m.graph.outputs.extend([outs[grad.loss], *grads])
     passes.RemoveUnusedNodesPass()(m)
     for value in [v for v in m.graph.inputs if not v.uses()]:
         m.graph.inputs.remove(value)
     grad = dataclasses.replace(grad, model=ir.to_proto(m), state=[])
     upd = compile_train_step(_linear(grad.initial_weights(), m.opset_imports[""]), loss=None, loss_output="loss",
                              update=update, learning_rate=learning_rate)
-    return grad, dataclasses.replace(upd, inference=grad.inference)
+    return grad, dataclasses.replace(upd, model=_lean(upd.model), inference=grad.inference)
+
+
+def _ones(value: ir.Value) -> tuple[int, ...] | None:
+    """The shape of ``value`` when it is a constant of ones or the ``Expand`` of one to a constant shape."""
+    const = lambda v: ir.convenience.get_const_tensor(v)  # noqa: E731
+    node, tensor = value.producer(), const(value)
+    if tensor is None and node is not None and node.op_type == "Expand" and None not in map(const, node.inputs):
+        source, shape = (const(v).numpy() for v in node.inputs)
+        return np.broadcast_shapes(source.shape, tuple(shape.tolist())) if np.all(source == 1) else None
+    return tensor.numpy().shape if tensor is not None and np.all(tensor.numpy() == 1) else None
+
+
+def _lean(proto):
+    """The update step without the linear model's own work: its loss (Σₖ ⟨Wₖ, Gₖ⟩, never read: the ranks'
+    loss rides in the all-reduced buffer) becomes a constant 0, and each gradient ``ones · Gₖ`` (the backward of
+    the sum) is ``Gₖ`` itself: two passes over every weight fewer per step."""
+    m = ir.from_proto(proto)
+    for node in list(m.graph):
+        if node.op_type != "Mul":
+            continue
+        out = node.outputs[0]
+        for one, other in (node.inputs, node.inputs[::-1]):
+            shape = _ones(one)
+            if shape is None or other.shape is None or not other.shape.is_static() or out in m.graph.outputs:
+                continue
+            dims = tuple(other.shape.numpy())
+            if np.broadcast_shapes(shape, dims) == dims and (other.dtype is None or other.dtype == out.dtype):
+                ir.convenience.replace_all_uses_with(out, other)
+                break
+    loss = next(v for v in m.graph.outputs if v.name == "loss")
+    zero = ir.node("Constant", [], {"value": ir.tensor(np.zeros((), loss.dtype.numpy()))}, num_outputs=1)
+    m.graph.append(zero)
+    loss.name, zero.outputs[0].name = "loss.unread", "loss"
+    zero.outputs[0].type, zero.outputs[0].shape = loss.type, ir.Shape([])
+    m.graph.outputs[m.graph.outputs.index(loss)] = zero.outputs[0]
+    passes.RemoveUnusedNodesPass()(m)
+    passes.TopologicalSortPass()(m)
+    return ir.to_proto(m)
 
 
 class DataParallelRunner:
@@ -134,6 +186,7 @@ class DataParallelRunner:
         self.train_step, self.device, self.batch_size = grad, device, batch_size
         weights = grad.initial_weights()
         self._size = sum(a.size for a in weights.values())
+        self._grad_shapes = {name: weights[name].shape for name in grad.weights}  # NOTE: the flat buffer's order
         cores = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
         def options(rows: int) -> ort.SessionOptions:  # NOTE: ORT's default pool capped to the cores of a local rank
@@ -148,13 +201,15 @@ class DataParallelRunner:
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.x_dtype = _numpy(types[grad.inputs[0]])
         self._y_dtype = _numpy(types[grad.target]) if grad.target else None
-        self._buffer = np.zeros(self._size + 2, self.updater.dtype)  # NOTE: [Σc·g, Σc·loss, Σc], all-reduced
-        self._loss = np.zeros((), self.updater.dtype)
-        self._bindings: dict[int, ort.IOBinding] = {}
-        if self._dist is not None:
-            import torch
+        self._buffer = np.zeros(self._size + 1, self.updater.dtype)  # NOTE: [Σ s·g, Σ s·loss], all-reduced
+        if self._dist is not None:  # NOTE: torch owns the memory (numpy and ORT read it): freeing the tensor in a
+            import torch  # gloo thread needs no GIL, which a tensor over a numpy array's memory would take
 
-            self._tensor = torch.from_numpy(self._buffer)
+            self._tensor = torch.zeros(self._buffer.shape, dtype=getattr(torch, self._buffer.dtype.name))
+            self._buffer = self._tensor.numpy()
+        self._loss = np.zeros((), self.updater.dtype)
+        self._ones_cache = np.ones(0, self.updater.dtype)
+        self._bindings: dict[int, ort.IOBinding] = {}
         self._checked = False
         digest = hashlib.sha256(grad.model.SerializeToString() + update.model.SerializeToString()).hexdigest()
         self._agree("the compiled steps (model, loss, update, options)", digest[:16])
@@ -185,6 +240,12 @@ class DataParallelRunner:
                 f"died or hung (timeout {TIMEOUT:.0f} s, ONNXOPT_TIMEOUT); the last complete checkpoint stays "
                 f"loadable ({str(exc).splitlines()[0][:200]})") from exc
 
+    def _ones(self, rows: int) -> np.ndarray:
+        """Sample weights of ones for ``rows`` rows (kept: the batches of an epoch share one)."""
+        if len(self._ones_cache) != rows:
+            self._ones_cache = np.ones(rows, self.updater.dtype)
+        return self._ones_cache
+
     def _binding(self) -> ort.IOBinding:
         """The gradient session's binding reading the updater's current weights (one per buffer set)."""
         key = self.updater._current
@@ -194,7 +255,12 @@ class DataParallelRunner:
                 if name in self.train_step.weights:
                     binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(self.train_step.loss, ort.OrtValue.ortvalue_from_numpy(self._loss))
-            binding.bind_ortvalue_output(GRADS, ort.OrtValue.ortvalue_from_numpy(self._buffer[:self._size]))
+            offset = 0
+            for name, shape in self._grad_shapes.items():
+                size = int(np.prod(shape))
+                view = self._buffer[offset:offset + size].reshape(shape)
+                binding.bind_ortvalue_output(f"{GRADS}/{name}", ort.OrtValue.ortvalue_from_numpy(view))
+                offset += size
             self._bindings[key] = binding
         return self._bindings[key]
 
@@ -208,26 +274,31 @@ class DataParallelRunner:
                         (shape(X), shape(y), shape(sample_weight), n, self.updater.step_count))
             self._checked = True
         lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
-        sw = None if sample_weight is None else as_array(sample_weight, self.updater.dtype, "sample_weight")[lo:hi]
-        weight = float(hi - lo if sw is None else sw.sum())
+        if sample_weight is None:
+            sw, weight, total = None, hi - lo, n
+        else:  # NOTE: every rank holds the global batch's weights: its share needs no collective
+            sw = as_array(sample_weight, self.updater.dtype, "sample_weight")
+            weight, total = float(sw[lo:hi].sum(dtype=np.float64)), float(sw.sum(dtype=np.float64))
+            sw = sw[lo:hi]
+        share = weight / total if total else math.nan  # NOTE: 1 on one rank: no pass over the gradients
         buf = self._buffer
         if weight > 0:
             binding = self._binding()
             target = None if y is None else as_array(y, self._y_dtype, "y")[lo:hi]
             feeds = {step.inputs[0]: X[lo:hi], step.target: target,
-                     step.sample_weight: np.ones(hi - lo, self.updater.dtype) if sw is None else sw}
+                     step.sample_weight: self._ones(hi - lo) if sw is None else sw}
             for name, value in feeds.items():
                 if name is not None:
                     binding.bind_cpu_input(name, np.ascontiguousarray(value))
             self.session.run_with_iobinding(binding)
-            buf[:self._size] *= weight
-            buf[self._size:] = float(self._loss) * weight, weight
+            if share != 1:
+                np.multiply(buf[:self._size], share, out=buf[:self._size])
+            buf[self._size] = float(self._loss) * share
         else:
             buf[:] = 0
         if self._dist is not None:
             self._collective(lambda: self._dist.all_reduce(self._tensor), "the gradient all-reduce")
-        buf[:-1] /= buf[-1]
-        loss = float(buf[-2])
+        loss = float(buf[self._size])
         if not math.isfinite(loss):
             raise ConvergenceError(f"loss became {loss} at step {self.updater.step_count + 1}; the weights are "
                                    f"those that gave the last finite loss (step {self.updater.step_count}), see "

@@ -206,7 +206,8 @@ class Runner:
         members = {m for names in self._packs.values() for m in names}
         # NOTE: what the session reads and writes: packs and unpacked tensors; packed weights are read as views
         self._bound = [*self._packs, *(n for n in self._carried if n not in members)]
-        self._views = self._packs.get(PACK_WEIGHTS, [])
+        taken = {i.name for i in model.graph.input}  # NOTE: a step without a forward pass (distributed's update)
+        self._views = [n for n in self._packs.get(PACK_WEIGHTS, []) if n in taken]  # reads only the pack
         # NOTE: per set, its host buffers: the packs' memory (their OrtValues and views do not own it) and the rest
         self._hosts: list[list[np.ndarray]] = []
         self._rows = cpu.rows if cpu else ()
