@@ -99,3 +99,18 @@ def under_reference(model, batches, rtol, atol=None, **kwargs):
         feeds = {name: out[name + ".new"] for name in [*portable.weights, *portable.state]}
     for name, value in runner.get_weights().items():
         np.testing.assert_allclose(feeds[name], value, rtol=10 * rtol, atol=10 * rtol if atol is None else atol)
+
+
+def finite_differences(fn, params: dict[str, np.ndarray], names, eps=1e-6) -> dict[str, np.ndarray]:
+    """Central differences of the scalar ``fn(params)`` with respect to each array ``params[name]``."""
+    grads = {}
+    for name in names:
+        base = params[name]
+        g = np.zeros_like(base)
+        for idx in np.ndindex(base.shape):
+            plus, minus = base.copy(), base.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            g[idx] = (fn({**params, name: plus}) - fn({**params, name: minus})) / (2 * eps)
+        grads[name] = g
+    return grads

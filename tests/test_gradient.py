@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 import onnxopt
+from helpers import finite_differences
 from onnxopt.examples import linear_regression, mlp, polynomial
 
 FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
@@ -40,21 +41,6 @@ class Forward:
 
     def __call__(self, feeds, weights=None):
         return self.sess.run(None, {**feeds, **self.weights, **(weights or {})})[0]
-
-
-def finite_differences(fn, params: dict[str, np.ndarray], names, eps=1e-6) -> dict[str, np.ndarray]:
-    """Central differences of the scalar ``fn(params)`` with respect to each array ``params[name]``."""
-    grads = {}
-    for name in names:
-        base = params[name]
-        g = np.zeros_like(base)
-        for idx in np.ndindex(base.shape):
-            plus, minus = base.copy(), base.copy()
-            plus[idx] += eps
-            minus[idx] -= eps
-            g[idx] = (fn({**params, name: plus}) - fn({**params, name: minus})) / (2 * eps)
-        grads[name] = g
-    return grads
 
 
 def _run_gradient(grad_model, feeds) -> dict[str, np.ndarray]:

@@ -21,6 +21,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
 
+from helpers import finite_differences
 from onnxopt.autodiff import load_rules
 from onnxopt.autodiff.rewrite import REWRITES, load_rewrites
 from onnxopt.errors import NotDifferentiableError
@@ -266,13 +267,7 @@ def _check(case: Case, zero: bool) -> None:
                 values = {k: v.astype(float_np) for k, v in values.items()}
             return sum(float((o * cot[n]).sum()) for n, o in zip(names, run(None, values)) if n in cot)
 
-        for name, base in feeds.items():
-            expected = np.zeros_like(base)
-            for idx in np.ndindex(base.shape):
-                plus, minus = base.copy(), base.copy()
-                plus[idx] += eps
-                minus[idx] -= eps
-                expected[idx] = (loss({**feeds, name: plus}) - loss({**feeds, name: minus})) / (2 * eps)
+        for name, expected in finite_differences(loss, feeds, list(feeds), eps).items():
             np.testing.assert_allclose(got[name + "_grad"], expected, rtol=rtol, atol=rtol,
                                        err_msg=f"{case.op}: gradient of input {name}")
 

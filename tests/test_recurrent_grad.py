@@ -15,6 +15,7 @@ from onnx import TensorProto
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
+from helpers import finite_differences
 from onnxopt.errors import NotDifferentiableError
 from onnxopt.gradient import gradient_ir, has_training_build
 from onnxopt.modelio import load_model
@@ -141,16 +142,7 @@ def _finite_differences(model, feeds, cot, eps=1e-6, evaluator=_evaluator):
     def loss(values):
         return sum(float((o * cot[n]).sum()) for n, o in zip(names, ref.run(None, values)) if n in cot)
 
-    out = {}
-    for name, base in feeds.items():
-        expected = np.zeros_like(base)
-        for idx in np.ndindex(base.shape):
-            plus, minus = base.copy(), base.copy()
-            plus[idx] += eps
-            minus[idx] -= eps
-            expected[idx] = (loss({**feeds, name: plus}) - loss({**feeds, name: minus})) / (2 * eps)
-        out[name] = expected
-    return out
+    return finite_differences(loss, feeds, list(feeds), eps)
 
 
 CASES = [
