@@ -27,7 +27,7 @@ def _explicit_pads(c, what: str) -> list[int]:
 
 @rule("Conv", family=F)
 def _conv(c):
-    """dX = ConvTranspose(dY, W) cut to X's size; dW = a grouped Conv of X by dY (batch as channels); dB = Σ dY."""
+    """dX, dW, dB as ``passes.lower.conv_grad`` writes them (the ConvGrad lowering shares it)."""
     _explicit_pads(c, "Conv")
     dx, dw, db = conv_grad(c, c.go(0), c.I(0), c.I(1), **c.attrs(*_CONV))
     return [dx, dw, db]

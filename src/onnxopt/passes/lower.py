@@ -332,7 +332,9 @@ def _conv_weight_grad(op, dy, x, w, r: int, kernel: list, channels: int, outputs
 
 def conv_grad(op, dy, x, w, kernel_shape=None, strides=None, pads=None, dilations=None, group: int = 1,
               auto_pad: str = "NOTSET"):
-    """dX = ConvTranspose(dy, W) padded to X's size; dW = a grouped Conv of X by dy (batch as channels)."""
+    """dX: a Conv of dy by the flipped kernel (stride 1), else ConvTranspose(dy, W) cut or padded to X's size;
+    dW: im2col and a batched MatMul (``_conv_weight_grad``), else (a window matrix over ``IM2COL_FLOATS`` per
+    sample, or sizes unknown) a grouped Conv of X by dy, the batch as channels; dB = Σ dy."""
     if auto_pad not in ("NOTSET", "VALID"):
         raise ModelError(f"portable: ConvGrad node {op.node.name!r} has auto_pad={auto_pad!r}; expected NOTSET or "
                          "VALID (export the model with explicit pads)")
