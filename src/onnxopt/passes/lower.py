@@ -316,10 +316,9 @@ def _conv_weight_grad(op, dy, x, w, r: int, kernel: list, channels: int, outputs
     if k == 1 and all(s == 1 for s in strides) and not any(pads):
         cols = x
     else:
-        eye = np.zeros((channels * k, 1, *kernel), np.float32)
-        for c in range(channels):
-            for j in range(k):
-                eye[(c * k + j, 0, *np.unravel_index(j, kernel))] = 1.0
+        eye = np.zeros((channels * k, k), np.float32)  # NOTE: kernel c·K + j is 1 at window position j
+        eye[np.arange(channels * k), np.tile(np.arange(k), channels)] = 1.0
+        eye = eye.reshape(channels * k, 1, *kernel)
         ones = op.CastLike(op.Constant(value=ir.tensor(eye)), dy)
         cols = op.Conv(x, ones, strides=strides, pads=pads, dilations=dilations, group=channels)
     cols = op.Reshape(cols, op.ints([0, group, channels // group * k, -1]))  # (N, g, C·K/g, L)
