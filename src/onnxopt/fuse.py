@@ -376,6 +376,7 @@ def _finish(model: ir.Model, output_names: list[str], dtype: ir.DataType) -> Non
     dedup_log.setLevel(logging.ERROR)
     try:  # NOTE: not onnxscript.optimizer.optimize: its rewrite rules drop ``x + 1e-8`` as ``x + 0``
         ir.passes.Sequential(
+            passes.CommonSubexpressionEliminationPass(),
             constant_folding.FoldConstantsPass(shape_inference=True, input_size_limit=8192, output_size_limit=8192),
             passes.RemoveUnusedNodesPass(),
             passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
