@@ -311,7 +311,8 @@ def _conv_weight_grad(op, dy, x, w, r: int, kernel: list, channels: int, outputs
                       dilations: list, group: int) -> ir.Value:
     """dW as im2col and one batched MatMul: a depthwise Conv of X by one-hot kernels lays out every window
     (N, C·K, L), times dY (N, O, L) transposed it sums over the positions, ReduceSum over the batch. One GEMM of
-    C·K × L × O per sample, where a Conv of X by dY runs a GEMM of O × (N·L) × K per channel (1.7-3× slower on 3x3 kernels)."""
+    C·K × L × O per sample, where a Conv of X by dY runs a GEMM of O × (N·L) × K per channel (1.7-3× slower on
+    3x3 kernels)."""
     k = int(np.prod(kernel))
     if k == 1 and all(s == 1 for s in strides) and not any(pads):
         cols = x
