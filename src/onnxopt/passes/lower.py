@@ -296,15 +296,15 @@ def _conv_output_size(op, dy, x, r: int, kernel, strides, pads, dilations) -> li
             for i, n in enumerate(size)]
 
 
-def _conv_input_grad(op, dy, w, r: int, kernel: list, pads: list, dilations: list, group: int) -> ir.Value:
+def _conv_input_grad(op, dy, w, r: int, flip_pads: list, dilations: list, group: int) -> ir.Value:
     """dX of a stride-1 convolution as a Conv of dY by the flipped kernel, its in and out channels swapped per
-    group: the forward kernel onnxruntime optimizes (its ConvTranspose costs more), no crop or pad after."""
+    group, padded by each side's window reach less the forward's pad (``flip_pads``): the forward kernel
+    onnxruntime optimizes (its ConvTranspose costs more), no crop or pad after."""
     g = op.Reshape(w, op.Concat(op.ints([group, -1]), op.Shape(w, start=1), axis=0))  # (g, O/g, C/g, *k)
     g = op.Transpose(g, perm=[0, 2, 1, *range(3, r + 3)])
     g = op.Reshape(g, op.Concat(op.ints([-1]), op.Shape(g, start=2), axis=0))  # (C, O/g, *k)
     flipped = op.Slice(g, op.ints([-1] * r), op.ints([-(1 << 62)] * r), op.ints(range(2, r + 2)), op.ints([-1] * r))
-    reach = [d * (k - 1) for d, k in zip(dilations, kernel)]
-    return op.Conv(dy, flipped, pads=[e - p for e, p in zip(reach * 2, pads)], dilations=dilations, group=group)
+    return op.Conv(dy, flipped, pads=flip_pads, dilations=dilations, group=group)
 
 
 def _conv_weight_grad(op, dy, x, w, r: int, kernel: list, channels: int, outputs: int, strides: list, pads: list,
@@ -352,9 +352,9 @@ def conv_grad(op, dy, x, w, kernel_shape=None, strides=None, pads=None, dilation
     if kernel is not None and None in kernel:
         kernel = None
     if op.wanted(0):
-        if kernel is not None and all(s == 1 for s in strides) and all(
-                p <= d * (k - 1) for p, d, k in zip(pads, dilations * 2, kernel * 2)):
-            dx = _conv_input_grad(op, dy, w, r, kernel, pads, dilations, group)
+        flip_pads = None if kernel is None else [d * (k - 1) - p for d, k, p in zip(dilations * 2, kernel * 2, pads)]
+        if flip_pads is not None and all(s == 1 for s in strides) and min(flip_pads) >= 0:
+            dx = _conv_input_grad(op, dy, w, r, flip_pads, dilations, group)
         else:
             dx = _conv_transpose_to(op, dy, w, x, r, strides=strides, pads=pads, dilations=dilations, group=group)
     channels = (op.dims(x) or (None, None))[1]
