@@ -263,6 +263,35 @@ def test_float64_concat_matches_finite_differences(rng):
     _check_weight_gradients(model, rng.normal(size=(6, 3)), rng)
 
 
+@pytest.mark.parametrize("rows, scatters", [((0, 1, 3), 1), ((0, 2, 0), 1), ((-1, 0, 2), 1), ((1,), 1)])
+def test_gathered_rows_gradient_is_one_scatter(rng, rows, scatters):
+    """Rows of one weight gathered by scalar indices (an exporter's unpacking of packed q, k, v): their
+    gradients are written by one ScatterND, not one per row and a Sum; exact for distinct, repeated and
+    negative indices, and a row no Gather reads gets none."""
+    nodes, parts = [], []
+    for k, i in enumerate(rows):
+        nodes += [oh.make_node("Constant", [], [f"i{k}"], value=numpy_helper.from_array(np.array(i, np.int64))),
+                  oh.make_node("Gather", ["W", f"i{k}"], [f"r{k}"], axis=0),
+                  oh.make_node("Mul", ["X", f"r{k}"], [f"p{k}"])]
+        parts.append(f"p{k}")
+    nodes.append(oh.make_node("Concat", parts, ["Y"], axis=1))
+    graph = oh.make_graph(
+        nodes, "rows", [oh.make_tensor_value_info("X", TensorProto.DOUBLE, ["N", 3])],
+        [oh.make_tensor_value_info("Y", TensorProto.DOUBLE, ["N", 3 * len(rows)])],
+        [numpy_helper.from_array(rng.normal(size=(4, 3)), "W")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=10)
+    fwd = Forward(model)
+    X = rng.normal(size=(5, 3))
+    G = rng.normal(size=fwd({"X": X}).shape)
+    grad_model = onnxopt.gradient_model(model, gradient="onnxopt")
+    assert [n.op_type for n in grad_model.graph.node].count("ScatterND") == scatters
+    got = _run_gradient(grad_model, {"X": X, "W": fwd.weights["W"], "Y_grad": G})["W_grad"]
+    expected = finite_differences(lambda w: float((fwd({"X": X}, w) * G).sum()), fwd.weights, ["W"])["W"]
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-8)
+    untouched = sorted(set(range(4)) - {i % 4 for i in rows})
+    assert not got[untouched].any()
+
+
 def test_missing_gradient_kernel_names_the_forward_node():
     """A linear Resize of unknown spatial size is not rewritten (its interpolation matrix needs the size), and
     onnxruntime-training has no CPU ResizeGrad: the Runner's error names the Resize node, not ORT's grad node."""

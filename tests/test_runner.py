@@ -47,6 +47,30 @@ def test_one_session_run_per_step_and_no_new_session(data, monkeypatch):
     assert runner.step_count == 6
 
 
+def test_batches_of_another_length_train_as_a_plain_session_loop(data, monkeypatch):
+    """The step's session has the batch axis fixed to ``batch_size`` rows (onnxruntime folds its shape
+    computations); other lengths run a second session made once, over the same weights and state."""
+    X, y = data
+    step = _step(update="adam")
+    runner = onnxopt.Runner(step, batch_size=8)
+    shapes = {i.name: i.shape for i in runner.session.get_inputs()}
+    assert shapes[step.inputs[0]] == [8, 4]
+    batches = [(0, 8), (8, 13), (13, 21), (21, 26), (26, 34)]
+    weights, state, losses, sessions = step.initial_weights(), {}, [], []
+    for k, (start, end) in enumerate(batches):
+        ref = run_once(step, X[start:end], y[start:end], weights=weights, state=state, step_count=k)
+        weights = {n: ref[n + ".new"] for n in step.weights}
+        state = {n: ref[n + ".new"] for n in step.state if n != "optim.step"}
+        losses.append(ref["loss"])
+    for k, (start, end) in enumerate(batches):
+        if k == 2:  # NOTE: both sessions exist now
+            monkeypatch.setattr(ort.InferenceSession, "__init__", lambda *a, **kw: sessions.append(1))
+        np.testing.assert_allclose(runner.step(X[start:end], y[start:end]), losses[k], rtol=1e-6)
+    assert sessions == []
+    for name, value in runner.get_weights().items():
+        np.testing.assert_allclose(value, weights[name], rtol=1e-5, atol=1e-7)
+
+
 def test_checkpoint_resume_equals_uninterrupted_run(data, tmp_path):
     X, y = data
     full = onnxopt.Runner(_step(update="adam"))

@@ -162,8 +162,9 @@ class Trainer:
         self._seed = _seed(self.random_state)
         self._best = (np.inf, 0, None)  # NOTE: best loss, epochs without improvement, weights of the best
         self._position = None  # NOTE: (epoch, blocks, loss sum, rows) of a streamed epoch resumed mid-way
-        inputs = {i.name: i for i in self.runner_.session.get_inputs()}
-        self._x_shape = inputs[self.train_step_.inputs[0]].shape
+        x = next(i for i in self.train_step_.model.graph.input if i.name == self.train_step_.inputs[0])
+        self._x_shape = [d.dim_value if d.HasField("dim_value") else d.dim_param or None
+                         for d in x.type.tensor_type.shape.dim]  # NOTE: as compiled (the runner fixes the batch)
         self._y_shape = None
         self._predictor = self._evaluator = None
         self.__dict__.pop("classes_", None)

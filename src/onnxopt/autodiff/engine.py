@@ -14,6 +14,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -173,10 +174,91 @@ def _sum(tape_op: _Op, parts: list[ir.Value]) -> ir.Value:
     when another part has the full shape: Add and Sum broadcast it without writing the copy."""
     if len(parts) == 1:
         return parts[0]
+    parts = _merge_scatters(tape_op, parts)
+    if len(parts) == 1:
+        return parts[0]
     expands = [_expanded(p) for p in parts]
     if any(e is None for e in expands):
         parts = [p if e is None else e for p, e in zip(parts, expands)]
     return tape_op.Add(*parts) if len(parts) == 2 else tape_op.Sum(*parts)
+
+
+def _merge_scatters(tape_op: _Op, parts: list[ir.Value]) -> list[ir.Value]:
+    """Parts that scatter-add one row each into zeros of the same shape (``Gather``'s gradient for a scalar
+    index: the q, k and v an exporter gathers from one packed tensor) become one ScatterND of all the rows:
+    a write of the tensor instead of a zero-filled copy per part and their sum. Exact: the scatter adds."""
+    groups: dict[ir.Value, list[int]] = {}
+    for k, p in enumerate(parts):
+        source = _row_scatter(p)
+        if source is not None:
+            groups.setdefault(source, []).append(k)
+    merged = {}
+    for ks in groups.values():
+        if len(ks) < 2:
+            continue
+        nodes = [parts[k].producer() for k in ks]
+        first = tape_op.ints([0])
+        known = [_constant(_index(n.inputs[1])) for n in nodes]
+        updates = tape_op.Concat(*[tape_op.Unsqueeze(n.inputs[2], first) for n in nodes], axis=0)
+        if all(i is not None and i >= 0 for i in known) and len(set(known)) == len(known):
+            # NOTE: distinct constant rows: a plain write (onnxruntime adds element by element, copies rows)
+            rows = tape_op.Constant(value=ir.tensor(np.array(known, np.int64).reshape(-1, 1)))
+            merged[ks[0]] = tape_op.ScatterND(nodes[0].inputs[0], rows, updates)
+        else:
+            rows = tape_op.Concat(*[tape_op.Unsqueeze(n.inputs[1], first) for n in nodes], axis=0)
+            merged[ks[0]] = tape_op.ScatterND(nodes[0].inputs[0], rows, updates, reduction="add")
+        merged.update({k: None for k in ks[1:]})
+    return [merged.get(k, p) for k, p in enumerate(parts) if merged.get(k, p) is not None]
+
+
+def _row_scatter(part: ir.Value) -> ir.Value | None:
+    """The tensor ``x`` when ``part`` alone reads ``ScatterND(Expand(0, Shape(x)), i, u, reduction="add")`` with
+    ``i`` of shape [1] (one row), else None."""
+    node = part.producer()
+    if node is None or node.op_type != "ScatterND" or node.domain not in ("", "ai.onnx") or part.uses() or \
+            part.is_graph_output() or node.attributes.get_string("reduction", "none") != "add":
+        return None
+    zeros = node.inputs[0].producer()
+    if not _one_row(node.inputs[1]) or zeros is None or zeros.op_type != "Expand" or not _is_zero(zeros.inputs[0]):
+        return None
+    shape = zeros.inputs[1].producer()
+    return shape.inputs[0] if shape is not None and shape.op_type == "Shape" and not shape.attributes else None
+
+
+def _one_row(rows: ir.Value) -> bool:
+    """Whether ``rows`` has shape [1], as the ``Unsqueeze(i, [-1])`` of a scalar index ``i``."""
+    if rows.shape is not None:
+        return list(rows.shape) == [1]
+    node = rows.producer()
+    return node is not None and node.op_type == "Unsqueeze" and node.inputs[0].shape is not None and \
+        len(node.inputs[0].shape) == 0
+
+
+def _index(rows: ir.Value) -> ir.Value:
+    """The scalar index ``i`` of ``rows = Unsqueeze(i, [-1])`` (``rows`` itself otherwise), read through a Cast."""
+    node = rows.producer()
+    if node is not None and node.op_type == "Unsqueeze":
+        rows = node.inputs[0]
+        node = rows.producer()
+    return node.inputs[0] if node is not None and node.op_type == "Cast" else rows
+
+
+def _constant(value: ir.Value):
+    """The value of a constant (an initializer's or a Constant node's) as an int or numpy array, else None."""
+    tensor, node = value.const_value, value.producer()
+    if tensor is None and node is not None and node.op_type == "Constant" and "value" in node.attributes:
+        tensor = node.attributes["value"].value
+    if tensor is None:
+        return None
+    array = tensor.numpy()
+    return int(array.reshape(-1)[0]) if array.size == 1 and array.dtype.kind in "iu" else array
+
+
+def _is_zero(value: ir.Value) -> bool:
+    """Whether ``value`` is a constant zero (``Ctx.const(0.0, like)``'s CastLike of one included)."""
+    node = value.producer()
+    array = _constant(node.inputs[0] if node is not None and node.op_type == "CastLike" else value)
+    return array is not None and not np.any(array)
 
 
 def _expanded(part: ir.Value) -> ir.Value | None:
