@@ -84,6 +84,17 @@ def test_stream_sources_train_like_arrays(kind, data, tmp_path):
     _same(_fit(X, y), got)
 
 
+def test_streamed_fit_sessions_do_not_spin(data):
+    """A streamed fit's reader thread needs the cores: onnxruntime's threads sleep between ops instead of
+    spinning (they keep their default, spinning, for arrays)."""
+    X, y, _ = data
+    key = "session.intra_op.allow_spinning"
+    got = _fit(lambda: ((X[i:i + 32], y[i:i + 32]) for i in range(0, N, 32)))
+    assert got.runner_._opts.get_session_config_entry(key) == "0"
+    with pytest.raises(Exception, match=key):
+        _fit(X, y).runner_._opts.get_session_config_entry(key)
+
+
 def test_parquet_sample_weight_column_and_features(data, tmp_path):
     X, y, sw = data
     table = _table(X, y, sw).append_column("noise", pa.array(np.full(N, 1e6, np.float32)))

@@ -124,11 +124,15 @@ class Trainer:
             self._predictor = self._evaluator = None
 
     # -- setup -------------------------------------------------------------------------------------------
-    def _make_runner(self) -> Runner:
+    def _make_runner(self, streamed: bool = False) -> Runner:
         batch = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 32
         if getattr(self, "_parallel", None) is not None:  # NOTE: under torch.distributed (onnxopt.distributed)
             return distributed.DataParallelRunner(*self._parallel, device=self.device, batch_size=batch)
-        return Runner(self.train_step_, device=self.device, batch_size=batch)
+        opts = None
+        if streamed and self.device == "cpu":  # NOTE: the reader thread needs the cores ORT's threads would spin on
+            size = sum(a.size for a in self.train_step_.initial_weights().values())
+            opts = default_session_options(size, batch, spinning=False)
+        return Runner(self.train_step_, device=self.device, batch_size=batch, session_options=opts)
 
     def _initialize(self, X=None, y=None) -> None:
         saved = _saved_step(self.model)
@@ -155,7 +159,7 @@ class Trainer:
         if saved is not None and loss is not None and resolve_loss(loss).target != saved.target_kind:
             raise ModelError(f"loss: the saved step takes {saved.target_kind!r} targets, loss {loss!r} takes "
                              f"{resolve_loss(loss).target!r} ones; pass the loss the step was compiled with")
-        self.runner_ = self._make_runner()
+        self.runner_ = self._make_runner(streamed=stream.as_stream(X) is not None)
         self._loss = resolve_loss(loss) if loss is not None else None
         self._kind = _task(self._loss)
         self.n_iter_, self.train_losses_, self.validation_losses_ = 0, [], []
