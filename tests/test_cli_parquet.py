@@ -107,6 +107,10 @@ def test_parquet_edges(streamed, model, tmp_path, capsys, monkeypatch):
     assert code == 2 and "features: expected column(s) of ['a', 'b', 'c', 'y'" in text and "'zz'" in text, text
     code, text = run(df.assign(c=df.c.astype(str)))
     assert code == 2 and "features: column 'c' has type" in text and "string, expected numbers" in text, text
+    code, text = run(df.assign(id=np.arange(240)))  # NOTE: a column the model does not read, scaled or not
+    assert code == 2 and "X: expected 3 values on axis 1" in text and "['a', 'b', 'c', 'id']" in text \
+        and "--features" in text and "Traceback" not in text, text
+    assert run(df.assign(id=np.arange(240)), "--features", "a,b,c")[0] == 0
     os.makedirs(tmp_path / "folder")  # NOTE: a folder of files trains as one file of the same row groups
     for k in range(3):
         df.iloc[80 * k:80 * k + 80].to_parquet(tmp_path / "folder" / f"part-{k}.parquet", index=False)

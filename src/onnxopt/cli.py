@@ -220,15 +220,15 @@ def _fit(args: argparse.Namespace) -> int:
                   scale={"auto": "auto", "always": True, "never": False}[args.scale], **kwargs)
     t0 = time.perf_counter()
     features = args.features.split(",") if args.features else None
-    if y is None:  # NOTE: opened once; a small Parquet source trains as arrays (the Trainer would read it so)
+    if y is None:  # NOTE: opened once (the Trainer reads a small source whole and trains it as arrays)
         X = as_stream(X, features=features, target=args.target)
-        if X.small:
-            X, y, _ = X.read_all()
     try:
         est.fit(X, y, features=features, target=args.target)
     except CheckpointError as exc:
         raise _Fail(f"{exc}; use a new --checkpoint folder for another model or optimizer") from exc
     seconds = time.perf_counter() - t0
+    if y is None and X.small:  # NOTE: read again for the metrics below
+        X, y, _ = X.read_all()
     if rank:
         return 0
     atomic.write(args.out, est.trained_model_.SerializeToString())

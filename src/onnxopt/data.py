@@ -60,17 +60,25 @@ def _check_finite(arr: np.ndarray, name: str, allow_nan: bool | None) -> None:
 def check_features(X, shape: list, dtype, allow_nan: bool = False) -> np.ndarray:
     """X as the model's input expects it: ``shape`` is the input's shape (ints fixed, anything else free)."""
     arr = as_array(X, dtype, "X")
-    if arr.ndim != len(shape):
-        hint = " (use X.reshape(-1, 1) for a single feature)" if arr.ndim == 1 and len(shape) == 2 else ""
-        raise DataError(f"X: expected {len(shape)} dimensions {list(shape)}, got shape {arr.shape}{hint}")
-    for axis, (want, got) in enumerate(zip(shape, arr.shape)):
-        if isinstance(want, int) and axis > 0 and want != got:
-            raise DataError(f"X: expected {want} values on axis {axis} (model input shape {list(shape)}), got "
-                            f"shape {arr.shape}")
+    check_feature_shape(arr.shape, shape)
     if arr.shape[0] == 0:
         raise DataError(f"X: expected at least one sample, got shape {arr.shape}")
     _check_finite(arr, "X", allow_nan)
     return arr
+
+
+def check_feature_shape(got: tuple, shape: list, columns: list[str] | None = None) -> None:
+    """Raises DataError unless an X of shape ``got`` fits the model input ``shape`` (ints fixed, anything else
+    free); ``columns``: the feature columns X was read from, named in the error."""
+    if len(got) != len(shape):
+        hint = " (use X.reshape(-1, 1) for a single feature)" if len(got) == 1 and len(shape) == 2 else ""
+        raise DataError(f"X: expected {len(shape)} dimensions {list(shape)}, got shape {tuple(got)}{hint}")
+    for axis, (want, n) in enumerate(zip(shape, got)):
+        if isinstance(want, int) and axis > 0 and want != n:
+            read = f" from the {len(columns)} feature columns {columns} (name the model's with features=, the " \
+                   "CLI's --features)" if columns is not None else ""
+            raise DataError(f"X: expected {want} values on axis {axis} (model input shape {list(shape)}), got "
+                            f"shape {tuple(got)}{read}")
 
 
 def check_target(y, n: int, dtype, shape: list | None, allow_nan: bool = False) -> np.ndarray:

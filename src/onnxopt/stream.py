@@ -174,10 +174,12 @@ class _Parquet(_Chunks):
                 raise DataError(f"{what}: expected column(s) of {names}, got {bad or cols}")
         if target is None:
             raise DataError(f"target: a Parquet source needs the target column named (one of {names}), got None")
+        self.scalars = True  # NOTE: whether each feature column holds one value per row
         for c in features + ([weight] if weight else []):
             t = schema.field(c).type
-            value = t.value_type if pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t) \
-                else t
+            listed = pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t)
+            self.scalars = self.scalars and not (listed and c in features)
+            value = t.value_type if listed else t
             if not (pa.types.is_integer(value) or pa.types.is_floating(value) or pa.types.is_boolean(value)):
                 raise DataError(f"{'features' if c in features else 'sample_weight'}: column {c!r} has type {t}, "
                                 "expected numbers (ints, floats, bools or lists of them)")

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from onnxopt import distributed, stream
 from onnxopt.atomic import check_writable
-from onnxopt.data import check_batch_size, check_features, check_sample_weight, check_target
+from onnxopt.data import check_batch_size, check_feature_shape, check_features, check_sample_weight, check_target
 from onnxopt.dsl import losses
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError, ModelError
 from onnxopt.fuse import compile_train_step
@@ -145,6 +145,10 @@ class Trainer:
             self.scaling_ = fit_scaling(_floats(X), _floats(targets), self.scale)
             if saved is None:  # NOTE: a compiled step starts from its weights as they are
                 model = load_model(model)
+                x = next(v for v in model.graph.inputs if not v.is_initializer())
+                if x.shape is not None:  # NOTE: statistics of other columns must not be folded into the model
+                    check_feature_shape(np.shape(X), [d if isinstance(d, int) else None for d in x.shape],
+                                        getattr(self, "_columns", None))
                 self._unfolded = self.scaling_.fold(model)
         kwargs = dict(loss=loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
                       weights=self.weights, output=output, loss_output=self.loss_output, mode=self.mode,
@@ -281,6 +285,7 @@ class Trainer:
         epoch (at most every ``stream.CHECKPOINT_SECONDS``), and a fit resumed from it continues mid-epoch.
         """
         data = stream.as_stream(X, y, sample_weight, features, target)
+        self._columns = data.features if getattr(data, "scalars", False) else None  # NOTE: named in X's errors
         if data is not None and data.small:  # NOTE: read whole, trained as arrays (split, scaling, shuffle)
             X, y, sample_weight = data.read_all()
         elif data is not None:
@@ -365,6 +370,8 @@ class Trainer:
         if self._kind != "regression" and not hasattr(self, "classes_"):  # NOTE: one pass over the targets
             self._set_classes(np.unique(np.concatenate([np.unique(c[1]) for c in data.chunks(None, None, 65536)])), "y")
         batch = check_batch_size(self.batch_size, data.rows or self.batch_size)
+        if getattr(self, "_columns", None) is not None:  # NOTE: before reading: the columns are known
+            check_feature_shape((data.rows or 1, len(self._columns)), self._x_shape, self._columns)
         held = self.early_stopping and stop
         if held and not 0 < self.validation_fraction < 1:
             raise DataError(f"validation_fraction: expected a fraction in (0, 1), got {self.validation_fraction!r}")
