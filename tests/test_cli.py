@@ -199,10 +199,13 @@ def test_wrong_arguments_exit_2_with_one_line(files, capsys, argv):
 
 
 @pytest.mark.parametrize("name,message", [("header.csv", "has a header and no data rows"),
-                                          ("ragged.csv", "line 3 has 4 values, expected 3 like the header")])
+                                          ("ragged.csv", "line 3 has 4 values, expected 3 like the header"),
+                                          ("text.csv", "line 3, column 'b': expected a number (every column but "
+                                                       "--target is a feature), got 'n/a'")])
 def test_csv_errors_name_the_row_and_counts(files, capsys, name, message):
     open("header.csv", "w").write("a,b,price\n")
     open("ragged.csv", "w").write("a,b,price\n1,2,3\n4,5,6,7\n")
+    open("text.csv", "w").write("a,b,price\n1,2,3\n4,n/a,6\n")
     assert main(["fit", "model.onnx", name, "--target", "price", "-o", "t.onnx"]) == 2
     assert message in capsys.readouterr().err
 
@@ -257,3 +260,23 @@ def test_help_shows_every_default(command, capsys):
 def test_python_dash_m_help():
     done = subprocess.run([sys.executable, "-m", "onnxopt", "--help"], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and "compile" in done.stdout and "examples:" in done.stdout
+
+
+def test_csv_class_labels_train_a_classifier(tmp_path, monkeypatch, capsys):
+    """A .csv whose target column holds class names (as a Parquet string column may): features are numbers,
+    the labels are kept as text and encoded by the Trainer."""
+    skl = pytest.importorskip("skl2onnx")
+    from sklearn.linear_model import LogisticRegression
+
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(300, 3))
+    labels = np.where(X @ [1.0, -1.0, 0.5] > 0, "yes", "no")
+    fitted = LogisticRegression().fit(X[:20], rng.permutation(labels[:20]))  # NOTE: shuffled labels: untrained
+    onnx.save(skl.to_onnx(fitted, X[:1].astype(np.float32), options={"zipmap": False}), "clf.onnx")
+    assert np.mean(fitted.predict(X) == labels) < 0.8
+    with open("d.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["a", "b", "c", "kind"], *([*map(float, x), k] for x, k in zip(X, labels))])
+    assert main(["fit", "clf.onnx", "d.csv", "--target", "kind", "--epochs", "30", "--quiet", "-o", "t.onnx"]) == 0
+    sess = ort.InferenceSession("t.onnx", providers=["CPUExecutionProvider"])
+    assert np.mean(sess.run(None, {"X": X.astype(np.float32)})[0] == labels) > 0.9

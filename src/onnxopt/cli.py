@@ -179,12 +179,24 @@ def load_data(path: str, target: str | None) -> tuple[np.ndarray, np.ndarray]:
     for i, row in lines:
         if len(row) != len(header):
             raise DataError(f"DATA: {path!r} line {i} has {len(row)} values, expected {len(header)} like the header")
-    try:
-        table = np.array([[float(v) for v in row] for _, row in lines], dtype=np.float64)
-    except ValueError as exc:
-        raise DataError(f"DATA: {path!r} must hold numbers below its header ({exc})") from exc
     col = header.index(target)
-    return np.delete(table, col, axis=1), table[:, col]
+    features = [k for k in range(len(header)) if k != col]
+    try:
+        X = np.array([[row[k] for k in features] for _, row in lines], dtype=np.float64)
+    except ValueError:
+        i, k, v = next((i, k, row[k]) for i, row in lines for k in features if not _is_number(row[k]))
+        raise DataError(f"DATA: {path!r} line {i}, column {header[k]!r}: expected a number (every column but "
+                        f"--target is a feature), got {v!r}") from None
+    labels = [row[col].strip() for _, row in lines]  # NOTE: numbers, or a classifier's labels as they are
+    return X, np.array(labels, np.float64) if all(map(_is_number, labels)) else np.array(labels)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _fit(args: argparse.Namespace) -> int:
