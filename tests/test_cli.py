@@ -280,3 +280,21 @@ def test_csv_class_labels_train_a_classifier(tmp_path, monkeypatch, capsys):
     assert main(["fit", "clf.onnx", "d.csv", "--target", "kind", "--epochs", "30", "--quiet", "-o", "t.onnx"]) == 0
     sess = ort.InferenceSession("t.onnx", providers=["CPUExecutionProvider"])
     assert np.mean(sess.run(None, {"X": X.astype(np.float32)})[0] == labels) > 0.9
+
+
+def test_onnxruntime_failure_is_one_line_unless_asked(files, capsys, monkeypatch):
+    """An error raised by onnxruntime itself (its exception classes are not RuntimeErrors) ends in one line and
+    exit code 1; ONNXOPT_TRACEBACK=1 lets it through with its traceback."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+
+    def fail(*args, **kwargs):
+        raise Fail("[ONNXRuntimeError] : 1 : FAIL : Node () Op (Sub) [ShapeInferenceError] Incompatible dimensions")
+
+    monkeypatch.setattr(onnxopt.Trainer, "fit", fail)
+    argv = ["fit", "model.onnx", "data.csv", "--target", "price", "-o", "t.onnx"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "onnxruntime: [ONNXRuntimeError]" in err and "ONNXOPT_TRACEBACK=1" in err, err
+    monkeypatch.setenv("ONNXOPT_TRACEBACK", "1")
+    with pytest.raises(Fail):
+        main(argv)

@@ -548,3 +548,10 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", 0)) == 0 or type(exc).__name__ == "DistributedError":
             print(f"onnxopt {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except Exception as exc:  # NOTE: onnxruntime's own errors (not RuntimeError subclasses): one line, exit 1
+        if not type(exc).__module__.startswith("onnxruntime") or os.environ.get("ONNXOPT_TRACEBACK"):
+            raise
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        print(f"onnxopt {args.command}: error: onnxruntime: {first} (with a valid model and data, an onnxopt bug: "
+              "please report it; ONNXOPT_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        return 1
