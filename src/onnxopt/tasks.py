@@ -2,7 +2,10 @@
 
 A model with a label output (int64 or string tensor, as skl2onnx's classifiers have) and one other output (the
 probabilities, a tensor or ZipMap's dictionaries) is a classifier: the loss is
-``cross_entropy(from_logits=False)`` on the probabilities. Any other model is a regressor: ``square``.
+``cross_entropy(from_logits=False)`` on the probabilities, or ``cross_entropy`` on scores when that output is
+computed from the inputs by linear and layout ops alone, nothing that could normalize it (skl2onnx names the
+decision scores of SGDClassifier(hinge), Perceptron and LinearSVC "probabilities"). Any other model is a
+regressor: ``square``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,30 @@ def choose_loss(model, loss, output: str | None) -> tuple:
     if output is None and len(others) != 1:
         raise ModelError(f"loss: the model has class labels {labels} and {len(others)} other outputs {others}; "
                          f"pick the probabilities with --output NAME (output=) and --loss {CLASSIFIER_LOSS}")
-    return CLASSIFIER_LOSS, output or others[0]
+    chosen = output or others[0]
+    value = next(v for v in outputs if v.name == chosen)
+    return ("cross_entropy" if _scores(value) else CLASSIFIER_LOSS), chosen
+
+
+# NOTE: ops that cannot turn scores into probabilities (linear, layout, casts); any other op might normalize
+_PLAIN = {"Identity", "Cast", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Concat", "Transpose", "Mul", "Add",
+          "Sub", "Neg", "MatMul", "Gemm", "Constant"}
+
+
+def _scores(value: ir.Value) -> bool:
+    """Whether ``value`` is computed from the graph inputs and constants by ``_PLAIN`` ops alone (scores: no op
+    on any path could make them probabilities)."""
+    seen, todo = set(), [value]
+    while todo:
+        v = todo.pop()
+        node = v.producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type not in _PLAIN or node.domain not in ("", "ai.onnx"):
+            return False
+        todo.extend(i for i in node.inputs if i is not None)
+    return True
 
 
 def metrics(est, X: np.ndarray, y: np.ndarray) -> dict[str, float]:
