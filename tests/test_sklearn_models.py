@@ -242,3 +242,17 @@ def test_auto_loss_reads_decision_scores_as_logits(data, make, options, scores):
         expected = log_loss(labels, est.predict_proba(X))
     np.testing.assert_allclose(losses[0], expected, rtol=1e-3)
     assert losses[-1] < losses[0]
+
+
+def test_multi_output_mlp_regressor_of_skl2onnx_is_refused_by_shape(data):
+    """skl2onnx writes a 2-output MLPRegressor's prediction as (2N, 1) (a Reshape to (-1, 1)): the Runner's
+    session still loads (its batch-specialized one would not), and a step or a fit names the shapes."""
+    X, y, _ = data
+    y2 = np.c_[y, -y].astype(np.float32)
+    est = _fit(MLPRegressor(hidden_layer_sizes=(4,), max_iter=3, random_state=0), X, y2)
+    onx = to_onnx(est, X[:1], target_opset=OPSET)
+    runner = onnxopt.Runner(onnxopt.compile_train_step(onx, loss="square"), batch_size=32)
+    with pytest.raises(onnxopt.errors.DataError, match="batch"):
+        runner.step(X[:32], y2[:32])
+    with pytest.raises(onnxopt.errors.DataError, match=r"y: expected shape \[128, 1\] to match the prediction"):
+        onnxopt.Trainer(onx, max_iter=1, verbose=0).fit(X, y2)

@@ -223,8 +223,16 @@ class Runner:
         self._fixed_rows, self._free, self._extra = (batch_size if fixed else None), stripped, {}
         self._providers = providers
         try:
-            self.session = ort.InferenceSession(fixed or stripped, opts, providers=providers,
-                                                disabled_optimizers=KEEP_DROPOUT)
+            self.session = None
+            if fixed:  # NOTE: a graph whose shapes contradict the batch length fails at run time, as compiled
+                try:
+                    self.session = ort.InferenceSession(fixed, opts, providers=providers,
+                                                        disabled_optimizers=KEEP_DROPOUT)
+                except Exception:  # noqa: BLE001  (the session as compiled says what is wrong, if anything)
+                    self._fixed_rows = None
+            if self.session is None:
+                self.session = ort.InferenceSession(stripped, opts, providers=providers,
+                                                    disabled_optimizers=KEEP_DROPOUT)
         except Exception as exc:
             raise _missing_kernel(exc, self.train_step.model, device) or exc
         # NOTE: as the step declares them (the session's target and sample weights may be specialized, cpu_model)
