@@ -12,7 +12,7 @@ import onnx
 import pytest
 from helpers import session
 from sklearn.exceptions import ConvergenceWarning
-from sklearn.linear_model import LinearRegression, LogisticRegression, Perceptron, SGDClassifier
+from sklearn.linear_model import LinearRegression, LogisticRegression, Perceptron, RidgeClassifier, SGDClassifier
 from sklearn.metrics import log_loss
 from sklearn.neural_network import MLPClassifier, MLPRegressor
 from sklearn.svm import LinearSVC
@@ -215,26 +215,32 @@ def test_float64_models(data, kind):
     (lambda: Perceptron(max_iter=3, random_state=0), {"zipmap": False}, True),
     (lambda: SGDClassifier(max_iter=3, random_state=0), {"zipmap": False}, True),  # NOTE: hinge: decision scores
     (lambda: LinearSVC(max_iter=30), {}, True),  # NOTE: three classes below
+    (lambda: LinearSVC(max_iter=30, random_state=0), {}, "log"),  # NOTE: two: the positive class's score alone
+    (lambda: RidgeClassifier(), {}, "log"),  # NOTE: its one column declared (N, 2) by skl2onnx
     (lambda: SGDClassifier(loss="log_loss", max_iter=2, random_state=0), {"zipmap": False, "raw_scores": True}, True),
     (lambda: SGDClassifier(loss="log_loss", max_iter=2, random_state=0), {"zipmap": False}, False),
     (lambda: LogisticRegression(max_iter=3), {"zipmap": False}, False),
     (lambda: MLPClassifier(hidden_layer_sizes=(4,), max_iter=3, random_state=0), {"zipmap": False}, False),
-], ids=["perceptron", "sgd_hinge", "linear_svc_3", "sgd_log_raw", "sgd_log", "logistic", "mlp"])
+], ids=["perceptron", "sgd_hinge", "linear_svc_3", "linear_svc_2", "ridge_2", "sgd_log_raw", "sgd_log", "logistic",
+        "mlp"])
 def test_auto_loss_reads_decision_scores_as_logits(data, make, options, scores):
     """skl2onnx names a linear classifier's decision scores "probabilities": loss="auto" trains them as logits
     (softmax cross-entropy), and only normalized outputs with cross_entropy(from_logits=False); the first
     loss equals the one computed from scikit-learn's own decision_function / predict_proba."""
     X, y, labels = data
     est = make()
-    if isinstance(est, LinearSVC):
+    if isinstance(est, LinearSVC) and scores is True:
         labels = np.digitize(y, np.quantile(y, [0.33, 0.66]))
     est = _fit(est, X, labels)
     onx = to_onnx(est, X[:1], options=options, target_opset=OPSET)
     loss, output = choose_loss(onx, "auto", None)
-    assert loss == ("cross_entropy" if scores else "cross_entropy:from_logits=false")
+    assert loss == {True: "cross_entropy", False: "cross_entropy:from_logits=false", "log": "log"}[scores]
     step = onnxopt.compile_train_step(onx, loss=loss, output=output, update="sgd", learning_rate=0.1)
-    losses, _ = train(step, X, labels, n_steps=30)
-    if scores:
+    losses, _ = train(step, X, labels.astype(np.float32) if loss == "log" else labels, n_steps=30)
+    if scores == "log":
+        d = np.asarray(est.decision_function(X), np.float64)
+        expected = np.mean(np.logaddexp(0, d) - labels * d)
+    elif scores:
         d = np.asarray(est.decision_function(X), np.float64)
         logits = np.stack([-d, d], axis=1) if d.ndim == 1 else d  # NOTE: skl2onnx's binary scores are (-s, s)
         expected = np.mean(np.logaddexp.reduce(logits, axis=1) - logits[np.arange(len(X)), labels])

@@ -11,6 +11,8 @@ coefficients are initializers (weights to train), computing the same outputs:
   whatever the post_transform), else ``s`` / ``Sigmoid(s)`` / ``Softmax(s)`` for post_transform NONE /
   LOGISTIC / SOFTMAX; the label output: ``Where(s > 0, labels[1], labels[0])`` or ``labels[ArgMax(s)]``.
   PROBIT and SOFTMAX_ZERO are left alone (then reported by ``NotDifferentiableError``).
+- ``ArrayFeatureExtractor(X, i)`` of float scores and constant indices -> ``Gather(X, i, axis=-1)`` (skl2onnx
+  picks the positive-class score of LinearSVC and RidgeClassifier so).
 - ``Normalizer(X, norm)`` -> ``X / ReduceSum(|X|)`` (L1), ``X / Sqrt(ReduceSum(X²))`` (L2), ``X / ReduceMax(X)``
   (MAX) along axis 1; ``Scaler(X)`` -> ``(X - offset) · scale``.
 - skl2onnx's binary linear classifier ``X·(-w, w) + (-b, b)`` (lowered or as written in float64) keeps the tie:
@@ -150,6 +152,37 @@ def _normalizer_lowered(op, x, out):
     return op.Div(xf, op.ReduceMax(xf, axes, keepdims=1))
 
 
+def _feature_extractor(op, x, i):
+    return op.ArrayFeatureExtractor(x, i, _domain=ML_DOMAIN, _outputs=["out"])
+
+
+def _feature_extractor_check(context, x, i, out, **_) -> MatchResult:
+    result = MatchResult()
+    # NOTE: X lowered in the same pass has no type yet: the output's declared one tells (X of rank 1 gives (1, k))
+    dtype, shape = x.dtype or out.dtype, out.shape
+    ranked = (x.shape is not None and len(x.shape) >= 2) or (shape is not None and len(shape) >= 2 and shape[0] != 1)
+    if dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or not ranked:
+        return result.fail("ArrayFeatureExtractor: only float data of rank >= 2 is lowered")
+    values = i.const_value
+    if values is None and i.producer() is not None and i.producer().op_type == "Constant":
+        values = i.producer().attributes["value"].value if "value" in i.producer().attributes else None
+    if values is None or values.numpy().ndim > 1:
+        return result.fail("ArrayFeatureExtractor: only a constant index or vector of indices is lowered")
+    return result
+
+
+def _feature_extractor_lowered(op, x, i, out):
+    index = op.Reshape(op.Cast(i, to=ir.DataType.INT64), op.Constant(value_ints=[-1]))  # NOTE: a scalar keeps its axis
+    picked = op.Gather(x, index, axis=-1)
+    values = i.const_value if i.const_value is not None else i.producer().attributes["value"].value
+    if out.shape is not None and len(out.shape) == 2:  # NOTE: skl2onnx declares RidgeClassifier's one column as 2
+        _RESHAPED.append((picked, ir.Shape([out.shape[0], values.numpy().size])))
+    return picked
+
+
+_RESHAPED: list[tuple[ir.Value, ir.Shape]] = []  # NOTE: shapes set once the rewriter has given the outputs the old
+
+
 def _scaler(op, x):
     return op.Scaler(x, _domain=ML_DOMAIN, _allow_other_attributes=True, _outputs=["out"])
 
@@ -237,17 +270,23 @@ ml_rules = RewriteRuleSet([
                 name="LinearClassifierToMatMulAdd"),
     RewriteRule(_normalizer, _normalizer_lowered, _normalizer_check, name="NormalizerToDiv"),
     RewriteRule(_scaler, _scaler_lowered, name="ScalerToSubMul"),
+    RewriteRule(_feature_extractor, _feature_extractor_lowered, _feature_extractor_check,
+                name="ArrayFeatureExtractorToGather"),
 ])
 
 
-_LOWERED = ("LinearRegressor", "LinearClassifier", "Normalizer", "Scaler")
+_LOWERED = ("LinearRegressor", "LinearClassifier", "Normalizer", "Scaler", "ArrayFeatureExtractor")
 
 
 def lower_ml_ops(model: ir.Model) -> ir.Model:
     """Applies ``ml_rules`` in place when the graph holds one of their ``ai.onnx.ml`` ops, then ties
     skl2onnx's binary score columns (``_tie_binary_columns``); returns ``model``."""
     if any(n.domain == ML_DOMAIN and n.op_type in _LOWERED for n in model.graph):
+        _RESHAPED.clear()
         ml_rules.apply_to_model(model)
+        for value, shape in _RESHAPED:
+            value.shape = shape
+        _RESHAPED.clear()
     _tie_binary_columns(model)
     return model
 

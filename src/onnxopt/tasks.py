@@ -4,8 +4,9 @@ A model with a label output (int64 or string tensor, as skl2onnx's classifiers h
 probabilities, a tensor or ZipMap's dictionaries) is a classifier: the loss is
 ``cross_entropy(from_logits=False)`` on the probabilities, or ``cross_entropy`` on scores when that output is
 computed from the inputs by linear and layout ops alone, nothing that could normalize it (skl2onnx names the
-decision scores of SGDClassifier(hinge), Perceptron and LinearSVC "probabilities"). Any other model is a
-regressor: ``square``.
+decision scores of SGDClassifier(hinge), Perceptron and LinearSVC "probabilities"); one such column (the positive
+class's probability or score, LinearSVC's and RidgeClassifier's for two classes) takes the binary ``log`` loss.
+Any other model is a regressor: ``square``.
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ def choose_loss(model, loss, output: str | None) -> tuple:
                          f"pick the probabilities with --output NAME (output=) and --loss {CLASSIFIER_LOSS}")
     chosen = output or others[0]
     value = next(v for v in outputs if v.name == chosen)
-    return ("cross_entropy" if _scores(value) else CLASSIFIER_LOSS), chosen
+    scores = _scores(value)
+    if value.shape is not None and len(value.shape) == 2 and value.shape[1] == 1:  # NOTE: the positive class's
+        return ("log" if scores else "log:from_logits=false"), chosen
+    return ("cross_entropy" if scores else CLASSIFIER_LOSS), chosen
 
 
 # NOTE: ops that cannot turn scores into probabilities (linear, layout, casts); any other op might normalize
-_PLAIN = {"Identity", "Cast", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Concat", "Transpose", "Mul", "Add",
-          "Sub", "Neg", "MatMul", "Gemm", "Constant"}
+_PLAIN = {"Identity", "Cast", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Concat", "Transpose", "Gather", "Slice",
+          "Mul", "Add", "Sub", "Neg", "MatMul", "Gemm", "Constant"}
 
 
 def _scores(value: ir.Value) -> bool:
