@@ -75,7 +75,7 @@ class Ctx(_Op):
 
     def _typed_constant(self, array: np.ndarray) -> ir.Value:
         """A Constant node's output, typed and shaped (the lowerings read ranks: ``gather_grad``'s shape input)."""
-        value = self.Constant(value=ir.tensor(array))
+        value = self.Constant(value=ir.Tensor(array))
         value.type, value.shape = ir.TensorType(ir.DataType.from_numpy(array.dtype)), ir.Shape(array.shape)
         return value
 
