@@ -361,6 +361,17 @@ class _RegionTape(ir.tape.Tape):
         return super().op(*args, metadata_props={graphs.REGION: self.region}, **kwargs)
 
 
+class _FoldConstants(constant_folding.FoldConstantsPass):
+    """onnxscript's constant folding, without its per-node ONNX shape inference where every output already has a
+    type and a static shape: inference there can only confirm them (its shapes are merged into the known ones,
+    which win), and it is most of the pass's time (a serialization of the node and its input types each)."""
+
+    def _do_inference(self, node: ir.Node) -> None:
+        if all(o.type is not None and o.shape is not None and o.shape.is_static() for o in node.outputs):
+            return
+        super()._do_inference(node)
+
+
 def _finish(model: ir.Model, output_names: list[str], dtype: ir.DataType) -> None:
     """Inlines the DSL calls, names the outputs, drops dead nodes and functions, sets versions ORT loads."""
     passes.InlinePass()(model)
@@ -377,7 +388,7 @@ def _finish(model: ir.Model, output_names: list[str], dtype: ir.DataType) -> Non
     try:  # NOTE: not onnxscript.optimizer.optimize: its rewrite rules drop ``x + 1e-8`` as ``x + 0``
         ir.passes.Sequential(
             passes.CommonSubexpressionEliminationPass(),
-            constant_folding.FoldConstantsPass(shape_inference=True, input_size_limit=8192, output_size_limit=8192),
+            _FoldConstants(shape_inference=True, input_size_limit=8192, output_size_limit=8192),
             passes.RemoveUnusedNodesPass(),
             passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
             passes.DeduplicateInitializersPass(),
