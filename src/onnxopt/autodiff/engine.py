@@ -92,6 +92,29 @@ class Ctx(_Op):
         value = float(value)
         return self._reuse(("const", value, dtype), lambda: self._typed_constant(np.array(value, dtype.numpy())))
 
+    def CastLike(self, x: ir.Value, like: ir.Value) -> ir.Value:  # noqa: N802
+        """``x`` cast to ``like``'s type as constant folding would leave it when both types are known: a Cast
+        when they differ, a constant ``x`` itself when they are equal; else the CastLike."""
+        source, target = self._known_dtype(x), self.dtype(like)
+        if source is not None and target is not None and source != target:
+            return self.Cast(x, to=target)
+        if source is not None and source == target and x.producer() is not None and \
+                x.producer().op_type == "Constant" and x.producer() in self.tape.nodes:
+            return x
+        return self.__getattr__("CastLike")(x, like)
+
+    def _known_dtype(self, value: ir.Value) -> ir.DataType | None:
+        """``value``'s element type: ``dtype``'s, else that of the tensor of the Constant node making it, or int64
+        for a Shape or Size node's output."""
+        dtype = self.dtype(value)
+        node = value.producer()
+        if dtype is not None or node is None or node.domain not in ("", "ai.onnx"):
+            return dtype
+        if node.op_type in ("Shape", "Size"):
+            return ir.DataType.INT64
+        tensor = node.attributes.get("value") if node.op_type == "Constant" else None
+        return tensor.value.dtype if tensor is not None and tensor.type == ir.AttributeType.TENSOR else None
+
     def Shape(self, x: ir.Value, start: int | None = None, end: int | None = None) -> ir.Value:  # noqa: N802
         """One Shape node per value and range (a Shape node even when ``x``'s shape is static: rules and the
         engine's sums recognise ``Expand(0, Shape(x))``; constant folding folds it)."""
