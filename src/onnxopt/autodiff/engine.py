@@ -377,7 +377,11 @@ def _output_grad(o: ir.Value, types: dict) -> ir.Value:
 
 def _infer(m: ir.Model) -> tuple[dict, dict]:
     """(name -> dims, name -> element type) of every value by ONNX shape inference on a copy (not strict: the
-    values after an op it cannot type stay unknown); the graph itself is left as the user wrote it."""
+    values after an op it cannot type stay unknown); the graph itself is left as the user wrote it. Nothing when
+    every value already has a type and a shape (the engine reads the dicts only for values lacking them)."""
+    if all(v.dtype is not None and v.shape is not None for v in m.graph.inputs) and \
+            all(o.dtype is not None and o.shape is not None for node in m.graph for o in node.outputs):
+        return {}, {}
     try:
         proto = onnx.shape_inference.infer_shapes(ir.to_proto(m), strict_mode=False)
     except Exception:  # noqa: BLE001 (a model over 2 GB: the rules then say which rank they lack)
