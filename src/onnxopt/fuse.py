@@ -361,6 +361,69 @@ class _RegionTape(ir.tape.Tape):
         return super().op(*args, metadata_props={graphs.REGION: self.region}, **kwargs)
 
 
+# NOTE: ops whose ONNX shape inference gives the output input 0's element type, and its shape (unary) or the two
+# inputs' broadcast shape (binary); _FoldConstants computes them in Python for tensor inputs of known types/shapes
+_SAME_SHAPE = frozenset({"Neg", "Relu", "Sign", "Sqrt", "Exp", "Log", "Abs", "Identity", "Sigmoid", "Tanh",
+                         "Reciprocal", "Erf", "Floor", "Ceil"})
+_BROADCAST = frozenset({"Add", "Sub", "Mul", "Div"})
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def _elementwise_type(node: ir.Node) -> tuple[ir.DataType, ir.Shape] | None:
+    """(element type, shape) ONNX shape inference gives the output of an elementwise ``node`` whose inputs are
+    tensors of known types and shapes without denotations, in the cases computed exactly here (one input;
+    two inputs of one type whose shapes are equal, or one of them all ones of no larger rank), else None."""
+    if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1 or any(v is None for v in node.inputs):
+        return None
+    unary = node.op_type in _SAME_SHAPE and len(node.inputs) == 1
+    if not unary and not (node.op_type in _BROADCAST and len(node.inputs) == 2):
+        return None
+    shapes = []
+    for v in node.inputs:
+        if not isinstance(v.type, ir.TensorType) or v.shape is None or \
+                any(v.shape.get_denotation(i) is not None for i in range(len(v.shape))):
+            return None
+        shapes.append(list(v.shape))
+    dtype = node.inputs[0].dtype
+    if dtype not in _FLOATS if unary else dtype not in (*_FLOATS, ir.DataType.INT32, ir.DataType.INT64):
+        return None  # NOTE: the types every op here accepts (ONNX would refuse others)
+    if unary:
+        return dtype, ir.Shape(shapes[0])
+    if node.inputs[1].dtype != dtype:
+        return None
+    a, b = shapes
+    ones = lambda dims: all(isinstance(d, int) and d == 1 for d in dims)  # noqa: E731
+    if len(a) == len(b) and all(type(x) is type(y) and x == y for x, y in zip(a, b)):
+        return dtype, ir.Shape(a)
+    if len(b) <= len(a) and ones(b):
+        return dtype, ir.Shape(a)
+    if len(a) <= len(b) and ones(a):
+        return dtype, ir.Shape(b)
+    return None
+
+
+class _FoldConstants(constant_folding.FoldConstantsPass):
+    """onnxscript's constant folding with a cheaper shape inference: none for a node whose outputs all have a
+    type and a static shape already (it could only confirm them), the result computed directly for the common
+    elementwise ops (``_elementwise_type``); onnxscript's per-node ONNX inference (a serialization of the node and
+    its input types each) is most of the pass's time otherwise."""
+
+    def _do_inference(self, node: ir.Node) -> None:
+        if all(o.type is not None and o.shape is not None and o.shape.is_static() for o in node.outputs):
+            return
+        merge = getattr(constant_folding, "_merge_shapes", None)
+        known = _elementwise_type(node) if merge is not None else None
+        if known is None:
+            super()._do_inference(node)
+            return
+        output = node.outputs[0]
+        try:  # NOTE: as onnxscript's: a rank conflict (ValueError) leaves the output as it is
+            output.shape = merge(output.shape, known[1])
+            output.type = ir.TensorType(known[0])
+        except ValueError:
+            pass
+
+
 def _finish(model: ir.Model, output_names: list[str], dtype: ir.DataType) -> None:
     """Inlines the DSL calls, names the outputs, drops dead nodes and functions, sets versions ORT loads."""
     passes.InlinePass()(model)
@@ -377,7 +440,7 @@ def _finish(model: ir.Model, output_names: list[str], dtype: ir.DataType) -> Non
     try:  # NOTE: not onnxscript.optimizer.optimize: its rewrite rules drop ``x + 1e-8`` as ``x + 0``
         ir.passes.Sequential(
             passes.CommonSubexpressionEliminationPass(),
-            constant_folding.FoldConstantsPass(shape_inference=True, input_size_limit=8192, output_size_limit=8192),
+            _FoldConstants(shape_inference=True, input_size_limit=8192, output_size_limit=8192),
             passes.RemoveUnusedNodesPass(),
             passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
             passes.DeduplicateInitializersPass(),

@@ -59,9 +59,74 @@ class Ctx(_Op):
     backward nodes (``const``, ``ints``, ``dims``, ``rank`` from ``passes.lower``)."""
 
     def __init__(self, node: ir.Node, grads: list[ir.Value | None], need: set[int], inferred: dict | None = None,
-                 types: dict | None = None):
+                 types: dict | None = None, shared: dict | None = None):
         super().__init__(node, inferred)
         self._grads, self._need, self._types = grads, need, types or {}
+        # NOTE: constants and shapes already written for an earlier node of the same ``differentiate`` call
+        # (the caller keeps ``shared``), reused instead of written again: the finished step's
+        # common-subexpression elimination and constant folding would merge or fold them, at a cost per node
+        self._shared = {} if shared is None else shared
+
+    def _reuse(self, key, make: Callable[[], ir.Value]) -> ir.Value:
+        value = self._shared.get(key)
+        if value is None:
+            value = self._shared[key] = make()
+        return value
+
+    def _typed_constant(self, array: np.ndarray) -> ir.Value:
+        """A Constant node's output, typed and shaped (the lowerings read ranks: ``gather_grad``'s shape input)."""
+        value = self.Constant(value=ir.Tensor(array))
+        value.type, value.shape = ir.TensorType(ir.DataType.from_numpy(array.dtype)), ir.Shape(array.shape)
+        return value
+
+    def ints(self, values) -> ir.Value:
+        values = tuple(int(v) for v in values)
+        return self._reuse(("ints", values), lambda: self._typed_constant(np.array(values, np.int64)))
+
+    def const(self, value: float, like: ir.Value) -> ir.Value:
+        """A scalar of ``like``'s type: written in that type when it is float or double (what folding the
+        CastLike of a float64 constant gives), else the CastLike."""
+        dtype = self.dtype(like)
+        if dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
+            return super().const(value, like)
+        value = float(value)
+        return self._reuse(("const", value, dtype), lambda: self._typed_constant(np.array(value, dtype.numpy())))
+
+    def CastLike(self, x: ir.Value, like: ir.Value) -> ir.Value:  # noqa: N802
+        """``x`` cast to ``like``'s type as constant folding would leave it when both types are known: a Cast
+        when they differ, a constant ``x`` itself when they are equal; else the CastLike."""
+        source, target = self._known_dtype(x), self.dtype(like)
+        if source is not None and target is not None and source != target:
+            return self.Cast(x, to=target)
+        if source is not None and source == target and x.producer() is not None and \
+                x.producer().op_type == "Constant" and x.producer() in self.tape.nodes:
+            return x
+        return self.__getattr__("CastLike")(x, like)
+
+    def _known_dtype(self, value: ir.Value) -> ir.DataType | None:
+        """``value``'s element type: ``dtype``'s, else that of the tensor of the Constant node making it, or int64
+        for a Shape or Size node's output."""
+        dtype = self.dtype(value)
+        node = value.producer()
+        if dtype is not None or node is None or node.domain not in ("", "ai.onnx"):
+            return dtype
+        if node.op_type in ("Shape", "Size"):
+            return ir.DataType.INT64
+        tensor = node.attributes.get("value") if node.op_type == "Constant" else None
+        return tensor.value.dtype if tensor is not None and tensor.type == ir.AttributeType.TENSOR else None
+
+    def Shape(self, x: ir.Value, start: int | None = None, end: int | None = None) -> ir.Value:  # noqa: N802
+        """One Shape node per value and range (a Shape node even when ``x``'s shape is static: rules and the
+        engine's sums recognise ``Expand(0, Shape(x))``; constant folding folds it)."""
+        attrs = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
+        return self._reuse(("Shape", x, start, end), lambda: self.__getattr__("Shape")(x, **attrs))
+
+    def Size(self, x: ir.Value) -> ir.Value:  # noqa: N802
+        """``x``'s element count: a constant when its declared shape is static, else one Size node per value."""
+        if x.shape is not None and all(isinstance(d, int) for d in x.shape):
+            n = int(np.prod(list(x.shape), dtype=np.int64))
+            return self._reuse(("size", n), lambda: self._typed_constant(np.array(n, np.int64)))
+        return self._reuse(("Size", x), lambda: self.__getattr__("Size")(x))
 
     def dtype(self, value: ir.Value) -> ir.DataType | None:
         """``value``'s element type: its own, else ONNX shape inference's."""
@@ -319,6 +384,7 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
     for o, go in zip([o for o in outputs if o in active], yield_outs):
         grads.setdefault(o, []).append(go)
     backward: list[ir.Node] = []
+    shared: dict = {}
     for node in todo:
         finishing = _Op(node)
         outs = []
@@ -334,7 +400,7 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
             need &= set(r.inputs)
         if not need:
             continue
-        ctx = Ctx(node, outs, need, dims, types)
+        ctx = Ctx(node, outs, need, dims, types, shared)
         try:
             gis = r.fn(ctx)
         except (ModelError, NotDifferentiableError):
@@ -392,7 +458,11 @@ def _output_grad(o: ir.Value, types: dict) -> ir.Value:
 
 def _infer(m: ir.Model) -> tuple[dict, dict]:
     """(name -> dims, name -> element type) of every value by ONNX shape inference on a copy (not strict: the
-    values after an op it cannot type stay unknown); the graph itself is left as the user wrote it."""
+    values after an op it cannot type stay unknown); the graph itself is left as the user wrote it. Nothing when
+    every value already has a type and a shape (the engine reads the dicts only for values lacking them)."""
+    if all(v.dtype is not None and v.shape is not None for v in m.graph.inputs) and \
+            all(o.dtype is not None and o.shape is not None for node in m.graph for o in node.outputs):
+        return {}, {}
     try:
         proto = onnx.shape_inference.infer_shapes(ir.to_proto(m), strict_mode=False)
     except Exception:  # noqa: BLE001 (a model over 2 GB: the rules then say which rank they lack)

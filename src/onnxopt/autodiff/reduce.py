@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import onnx_ir as ir
+
 from onnxopt.autodiff.engine import rule
 
 F = "reduction"
@@ -31,7 +33,9 @@ def _spread(c, g):
 def _count(c):
     """How many elements each output reduces, in the input's type."""
     x, y = c.I(0), c.O(0)
-    return c.CastLike(c.Div(c.Size(x), c.Size(y)), x)
+    count = c.Div(c.Size(x), c.Size(y))
+    count.type = ir.TensorType(ir.DataType.INT64)  # NOTE: so Ctx.CastLike writes the Cast folding would make
+    return c.CastLike(count, x)
 
 
 @rule("ReduceSum", family=F, inputs=(0,))
