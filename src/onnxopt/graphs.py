@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import onnx_ir as ir
+import onnx_ir.passes.common as common
 import onnxscript
 
 from onnxopt.errors import DslError
 
-__all__ = ["REGION", "add_functions", "call", "splice", "new_input", "tag"]
+__all__ = ["REGION", "add_functions", "call", "splice", "new_input", "tag", "infer_shapes"]
 
 REGION = "onnxopt.region"
+
+
+class _Quiet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Shape inference failed")
+
+
+_INFERENCE_LOG = logging.getLogger(common.ShapeInferencePass.__module__)
+
+
+def infer_shapes(model: ir.Model) -> None:
+    """onnx_ir's ShapeInferencePass on ``model`` in place. A model onnx cannot infer (a converter's declared
+    shape that contradicts its graph) stays as it is, as with the pass, but without the warning and
+    traceback the pass logs: the passes that read shapes work with what they find."""
+    quiet = _Quiet()
+    _INFERENCE_LOG.addFilter(quiet)
+    try:
+        common.ShapeInferencePass()(model)
+    finally:
+        _INFERENCE_LOG.removeFilter(quiet)
 
 
 def _all_functions(fn: onnxscript.OnnxFunction) -> list[onnxscript.OnnxFunction]:

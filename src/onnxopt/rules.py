@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-import onnx_ir.passes.common as passes
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
+
+from onnxopt import graphs
 
 __all__ = ["rules", "lower_for_gradient", "widen_float_constants"]
 
@@ -137,7 +138,7 @@ def lower_for_gradient(model: ir.Model, portable: bool = False, gradient: str = 
     from onnxopt.passes.decompose import decompose
 
     try:
-        passes.ShapeInferencePass()(model)
+        graphs.infer_shapes(model)
     except Exception:  # NOTE: inference fails on some contrib ops; the rules then match less, nothing breaks
         pass
     decompose(model, unroll_recurrent=portable, gradient=gradient)

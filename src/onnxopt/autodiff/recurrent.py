@@ -33,8 +33,8 @@ import itertools
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnx_ir.passes.common as common_passes
 
+from onnxopt import graphs
 from onnxopt.autodiff.engine import rule
 from onnxopt.errors import NotDifferentiableError
 from onnxopt.passes.lower import _Op
@@ -371,7 +371,7 @@ def lower_recurrent(model: ir.Model, gradient: str = "builder", unroll: bool = F
         _initial_states(graph)
     if any(_recurrent(n) and n.op_type in unroll_ops for n in graph):
         try:  # NOTE: shapes for the lengths of the nodes split above and of stacked layers
-            common_passes.ShapeInferencePass()(model)
+            graphs.infer_shapes(model)
         except Exception:  # noqa: BLE001 (contrib ops can fail it; a node whose length stays unknown is kept)
             pass
         _unroll_recurrent(graph, lambda n: n.op_type in unroll_ops and chosen(n))

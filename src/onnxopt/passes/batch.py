@@ -150,7 +150,7 @@ def shaped_target(model: ir.Model, name: str, batch: str) -> tuple[int, ...] | N
 def drop_same_shape_reshapes(model: ir.Model) -> int:
     """Removes each ``Reshape(x, Shape(y))`` where ONNX shape inference gives ``x`` and ``y`` the same fully
     known shape (symbolic dimensions included); returns how many."""
-    common.ShapeInferencePass()(model)
+    graphs.infer_shapes(model)
     dropped = 0
     for node in list(model.graph):
         shape_of = node.inputs[1].producer() if node.op_type == "Reshape" else None
@@ -283,7 +283,7 @@ def row_sum_updates(model: ir.Model, sample_weight: str) -> list[str]:
     weights = next(v for v in g.inputs if v.name == sample_weight)
     rows = weights.shape[0] if weights.shape is not None and len(weights.shape) == 1 else None
     inferred = ir.from_proto(ir.to_proto(model))  # NOTE: on a copy: inferred names of unknown dimensions
-    common.ShapeInferencePass()(inferred)  # would keep drop_same_shape_reshapes from matching shapes later
+    graphs.infer_shapes(inferred)  # would keep drop_same_shape_reshapes from matching shapes later
     shapes = {v.name: v.shape for v in [*inferred.graph.inputs, *(v for node in inferred.graph for v in node.outputs)]}
     ones = flat = None
     rowed = []
