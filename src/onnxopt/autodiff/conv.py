@@ -124,6 +124,48 @@ def _lp_pool(op, node, x):
     return op.Sqrt(total) if p == 2 else op.Pow(total, _k(op, 1.0 / p, x))
 
 
+def _same_pads(node: ir.Node) -> list[int] | None:
+    """The explicit pads of a Conv with auto_pad SAME_UPPER/SAME_LOWER (torch's ``padding="same"`` as TorchScript
+    writes it): by the kernel alone when every stride is 1, else by the static spatial size; None if unknown."""
+    x, w = node.inputs[0], node.inputs[1]
+    kernel = list(node.attributes.get_ints("kernel_shape", []))
+    if not kernel and w.shape is not None and all(isinstance(d, int) for d in w.shape[2:]):
+        kernel = list(w.shape[2:])
+    if not kernel:
+        return None
+    n = len(kernel)
+    strides = list(node.attributes.get_ints("strides", [1] * n))
+    dilations = list(node.attributes.get_ints("dilations", [1] * n))
+    sizes = list(x.shape[2:]) if x.shape is not None and len(x.shape) == n + 2 else [None] * n
+    begins, ends = [], []
+    for k, s, d, size in zip(kernel, strides, dilations, sizes):
+        if s == 1:
+            total = (k - 1) * d
+        elif isinstance(size, int):
+            total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        else:
+            return None
+        small = total // 2
+        upper = node.attributes.get_string("auto_pad") == "SAME_UPPER"
+        begins.append(small if upper else total - small)
+        ends.append(total - small if upper else small)
+    return begins + ends
+
+
+def _conv_same_check(node: ir.Node) -> str | None:
+    if node.attributes.get_string("auto_pad", "NOTSET") not in ("SAME_UPPER", "SAME_LOWER"):
+        return "only auto_pad SAME_UPPER/SAME_LOWER is rewritten"
+    return None if _same_pads(node) is not None else "auto_pad SAME with a stride > 1 needs a static spatial shape"
+
+
+@rewrite("Conv", family=F, check=_conv_same_check)
+def _conv_same(op, node, x, w, b=None):
+    """Conv with auto_pad SAME_*: the same Conv with the pads written out (the rule needs explicit pads)."""
+    attrs = {k: node.attributes[k].value for k in ("kernel_shape", "strides", "dilations", "group")
+             if k in node.attributes}
+    return op.Conv(*([x, w] if b is None else [x, w, b]), pads=_same_pads(node), **attrs)
+
+
 def _resize_factors(node: ir.Node) -> list[int] | None:
     """The integer factor of each axis of a nearest Resize given constant scales or sizes, else None."""
     x = node.inputs[0]
