@@ -41,7 +41,9 @@ EPOCHS = 6
 # dynamo at opset 18 for the activations only (other forms of HardSwish, Mish, Softmin, scalar constants).
 # bilinear: TorchScript cannot export aten::bilinear. birnn, gru2: dynamo takes 4-13 s (checked by hand, the
 # same ONNX GRU/LSTM nodes as TorchScript's). embedding: TorchScript only, see test_integer_inputs.
-ONE_EXPORTER = {"bilinear": ["dynamo"], "birnn": ["script"], "gru2": ["script"], "embedding": []}
+# conv_same: TorchScript only (its auto_pad=SAME_UPPER; dynamo writes explicit pads, checked by hand).
+ONE_EXPORTER = {"bilinear": ["dynamo"], "birnn": ["script"], "gru2": ["script"], "embedding": [],
+                "conv_same": ["script"]}
 EXPORTERS = {name: ONE_EXPORTER.get(name, ["dynamo", "script"]) for name in M.MODELS}
 EXPORTERS["activations"] = ["dynamo", "dynamo18", "script"]
 STATEFUL = [name for name, spec in M.MODELS.items() if spec.stateful]
@@ -185,6 +187,30 @@ def test_reflect_pad_of_a_hidden_value_is_refused_by_name():
     model = export(Net().eval(), np.zeros((2, 1, 5, 5), np.float32), "script")
     with pytest.raises(ModelError, match=r"Pad node '/Pad'.*constant mode only.*padding_mode='zeros'"):
         onnxopt.compile_train_step(model, mode="eval")
+
+
+def test_if_branch_reading_a_weight_path_is_refused_by_name():
+    """An If whose branch reads a value that depends on a weight (TorchScript writes one for torch.tile on the
+    rank of its input): onnxopt has no If rule, so it names the node instead of leaving that path's gradient
+    out (the branch reads the value from the outer scope, not as an input)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxopt.errors import NotDifferentiableError
+
+    w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32), "W")
+    branch = {f"{k}_branch": helper.make_graph([helper.make_node(op, ["z"], [f"{k}_out"])], k, [],
+                                               [helper.make_tensor_value_info(f"{k}_out", TensorProto.FLOAT, None)])
+              for k, op in (("then", "Relu"), ("else", "Neg"))}
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["z"]), helper.make_node("Shape", ["z"], ["s"]),
+             helper.make_node("Size", ["s"], ["r"]),
+             helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.array(1, np.int64))),
+             helper.make_node("Greater", ["r", "one"], ["c"]),
+             helper.make_node("If", ["c"], ["u"], name="rank_if", **branch), helper.make_node("Add", ["u", "z"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    with pytest.raises(NotDifferentiableError, match=r"If \(node 'rank_if'\) whose inputs \['z'\]"):
+        onnxopt.compile_train_step(model, loss="square", gradient="onnxopt")
 
 
 def test_identity_transpose_before_matmul():
