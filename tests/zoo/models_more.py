@@ -354,6 +354,23 @@ class ConvSame(nn.Module):
         return self.fc(self.tc(torch.tanh(self.c(torch.tanh(self.dw(x))))).mean(dim=2))
 
 
+class Interpolate(nn.Module):
+    """Conv -> F.interpolate to a size (bilinear, align_corners; the exporters compute the sizes from the input's
+    shape) -> Conv stride 2 -> F.interpolate by a scale (bicubic) and to a smaller size (bicubic,
+    align_corners) -> Linear; (N, 1, 6, 6)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(1, 2, 3), nn.Conv2d(2, 2, 3, stride=2)
+        self.fc = nn.Linear(2 * 4 * 3 + 2 * 2 * 2, 1)
+
+    def forward(self, x):
+        h = self.c2(F.interpolate(self.c1(x), size=(7, 6), mode="bilinear", align_corners=True))  # (N, 2, 3, 2)
+        a = F.interpolate(h, scale_factor=(1.5, 1.5), mode="bicubic")  # (N, 2, 4, 3)
+        b = F.interpolate(h, size=(2, 2), mode="bicubic", align_corners=True)
+        return self.fc(torch.cat([a.flatten(1), b.flatten(1)], dim=1))
+
+
 class TensorOps2(nn.Module):
     """Ops users write inline: clamp by Parameter bounds, amax/amin, torch.maximum, topk and sort values,
     unbind/stack, flip/roll, masked_fill and where with scalars, gather/index_select by buffers, logsumexp,
@@ -440,6 +457,7 @@ MODELS: dict[str, Spec] = {
     "attention_masks": Spec(AttentionMasks, (4, 8), summary=lambda X: X.mean(axis=1)),
     "conv_same": Spec(ConvSame, (2, 6), lr=0.3, summary=lambda X: X.mean(axis=2)),
     "tensor_ops2": Spec(TensorOps2, (4,)),
+    "interpolate": Spec(Interpolate, (1, 6, 6), lr=0.1, summary=lambda X: 2 * X[:, :, 1:5, 1:5].mean(axis=(2, 3))),
 }
 
 
