@@ -374,8 +374,9 @@ class Interpolate(nn.Module):
 class TensorOps2(nn.Module):
     """Ops users write inline: clamp by Parameter bounds, amax/amin, torch.maximum, topk and sort values,
     unbind/stack, flip/roll, masked_fill and where with scalars, gather/index_select by buffers, logsumexp,
-    var/std with a correction, norms p=1/2/inf, cosine similarity, torch.tile (TorchScript: an If on the rank);
-    one (1,) Parameter broadcast."""
+    var/std with a correction, norms p=1/2/inf, cosine similarity, torch.tile (TorchScript: an If on the rank),
+    torch.diagonal of a batch (TorchScript: an If on the sizes, GatherND batch_dims=1); one (1,) Parameter
+    broadcast."""
 
     def __init__(self):
         super().__init__()
@@ -385,7 +386,7 @@ class TensorOps2(nn.Module):
         self.s = nn.Parameter(torch.tensor([1.3]))
         self.register_buffer("idx", torch.tensor([[0, 2, 2]]))
         self.register_buffer("sel", torch.tensor([4, 0, 1]))
-        self.out = nn.Linear(47, 1)
+        self.out = nn.Linear(49, 1)
 
     def forward(self, x):
         h, z = self.fc(x) * self.s, self.fc2(x)
@@ -396,7 +397,8 @@ class TensorOps2(nn.Module):
                  torch.stack([a * b, c], 2).flatten(1), torch.roll(h.flip(1), 2, 1)[:, :3],
                  h.masked_fill(h > 0.2, 0.5)[:, :3], torch.where(z > 0, z, 0.0)[:, :3],
                  torch.gather(h, 1, self.idx.expand(h.shape[0], 3)), torch.index_select(z, 1, self.sel),
-                 torch.logsumexp(g, 2), torch.tile(z, (2,))[:, 4:7], torch.stack([h.var(1, correction=0), z.std(1), torch.norm(g, p=1, dim=(1, 2)),
+                 torch.logsumexp(g, 2), torch.tile(z, (2,))[:, 4:7],
+                 torch.diagonal(g, dim1=1, dim2=2), torch.stack([h.var(1, correction=0), z.std(1), torch.norm(g, p=1, dim=(1, 2)),
                                                      torch.norm(h, p=float("inf"), dim=1),
                                                      torch.linalg.vector_norm(z, dim=1),
                                                      F.cosine_similarity(h, z)], 1)]

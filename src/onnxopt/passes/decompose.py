@@ -163,7 +163,26 @@ def _same_shape(value: ir.Value, out: ir.Value) -> bool:
 
 _STATIC_BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Greater": np.greater, "Less": np.less,
                   "Equal": np.equal, "GreaterOrEqual": np.greater_equal, "LessOrEqual": np.less_equal,
-                  "And": np.logical_and, "Or": np.logical_or}
+                  "And": np.logical_and, "Or": np.logical_or, "Max": np.maximum, "Min": np.minimum}
+
+
+def _static_dims(node: ir.Node) -> np.ndarray | None:
+    """``Gather(Shape(x), k)`` or ``Shape(x)`` as constants when the dimensions read are static sizes of x."""
+    shape = node if node.op_type == "Shape" else node.inputs[0].producer()
+    if shape is None or shape.op_type != "Shape" or shape.attributes or shape.inputs[0].shape is None:
+        return None
+    dims = list(shape.inputs[0].shape)
+    if node is shape:
+        picked = dims
+    else:
+        k = _static_value(node.inputs[1], 32) if len(node.inputs) > 1 else None
+        if k is None or node.attributes.get_int("axis", 0) != 0:
+            return None
+        picked = [dims[int(i)] for i in k.reshape(-1)]
+        if not all(isinstance(d, int) for d in picked):
+            return None
+        return np.array(picked, np.int64).reshape(k.shape)
+    return np.array(picked, np.int64) if all(isinstance(d, int) for d in picked) else None
 
 
 def _static_value(value: ir.Value | None, depth: int = 0) -> np.ndarray | None:
@@ -181,6 +200,8 @@ def _static_value(value: ir.Value | None, depth: int = 0) -> np.ndarray | None:
     if node.op_type == "Size" and (shape := node.inputs[0].producer()) is not None and shape.op_type == "Shape" \
             and not shape.attributes and shape.inputs[0].shape is not None:
         return np.array(len(shape.inputs[0].shape), np.int64)
+    if node.op_type in ("Shape", "Gather") and (dims := _static_dims(node)) is not None:
+        return dims
     args = [_static_value(v, depth + 1) for v in node.inputs]
     if any(a is None for a in args):
         return None
@@ -190,6 +211,8 @@ def _static_value(value: ir.Value | None, depth: int = 0) -> np.ndarray | None:
         return np.logical_not(args[0])
     if node.op_type == "Identity":
         return args[0]
+    if node.op_type == "Concat" and all(a.ndim == 1 for a in args):
+        return np.concatenate(args)
     if node.op_type == "Cast":
         return args[0].astype(ir.DataType(node.attributes.get_int("to")).numpy())
     return None
