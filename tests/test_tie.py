@@ -58,10 +58,28 @@ def test_constants_and_distinct_values_are_not_tied():
 
 
 def test_record_names_the_source_and_is_checked():
-    assert tie_parameters(_model(A.T.copy(), A[:, 0].copy(), record="['A']")) == {"B": "A"}
-    wrong = _model(A.T.copy() + 1, A[:, 0].copy(), record="['A']")  # NOTE: a record whose values differ
+    assert tie_parameters(_model(A.T.copy(), np.zeros(5, np.float32), record="['A']")) == {"B": "A"}
+    wrong = _model(A.T.copy() + 1, np.zeros(5, np.float32), record="['A']")  # NOTE: a record whose values differ
     assert tie_parameters(wrong) == {}
     assert retarget(["C", "B", "A"], {"B": "A"}) == ["C", "A"] and retarget(None, {}) is None
+
+
+def test_parts_and_repeats_are_tied_and_run_the_same():
+    """B = A[::-1]^T (a folded flip of a parameter), C = elements of A's second column repeated (as a folded
+    ``repeat_interleave``): each becomes a Gather of A's elements; a 0/1 table is not taken for a part of a
+    parameter holding 0 and 1."""
+    m = _model(A[::-1].T.copy(), A[[0, 0, 2, 2, 4], 1].copy())
+    before = _run(m)
+    assert tie_parameters(m) == {"B": "A", "C": "A"}
+    assert sorted(n.op_type for n in m.graph) == ["Add", "Gather", "Gather", "Gather", "MatMul", "Reshape", "Reshape"]
+    onnx.checker.check_model(ir.to_proto(m), full_check=True)
+    np.testing.assert_array_equal(_run(m), before)
+    b = RNG.normal(size=(3, 5)).astype(np.float32)
+    table = A.copy()
+    table.flat[:2] = [0.0, 1.0]
+    mask = _model(b, np.array([0, 1, 1, 0, 1], np.float32))
+    mask.graph.initializers["A"].const_value = ir.tensor(table, name="A")
+    assert tie_parameters(mask) == {}
 
 
 @pytest.mark.parametrize("tie", [True, False])

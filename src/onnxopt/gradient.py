@@ -70,13 +70,16 @@ def _is_folded_constant(value: ir.Value, computed: set[str]) -> bool:
 
 def _is_weight(value: ir.Value, computed: set[str] = frozenset()) -> bool:
     """A float initializer read as a parameter: not 0-d (exporters' folded scalars: GELU's √2, a scale, a
-    beta), not a dynamo-folded constant, not a ±1 complement, and read at least once outside the slots of
-    ``_NON_WEIGHT_SLOTS``."""
+    beta), not a dynamo-folded constant, not a ±1 complement, with no infinite or NaN value (an attention mask
+    of 0 and -inf both exporters fold from a boolean ``attn_mask``), and read at least once outside the slots
+    of ``_NON_WEIGHT_SLOTS``."""
     if value.const_value is None or value.dtype not in FLOAT_TYPES:
         return False
     uses = list(value.uses())
     if not uses or value.shape is None or value.shape.rank() == 0 or _is_unit_constant(value, uses) \
             or _is_folded_constant(value, computed):
+        return False
+    if not np.isfinite(value.const_value.numpy()).all():
         return False
     return any(idx not in _NON_WEIGHT_SLOTS.get(node.op_type, ()) for node, idx in uses)
 
@@ -118,7 +121,7 @@ def _weight_names(m: ir.Model) -> list[str]:
 def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
     """Returns the real weights of ``model``: float initializers except those read only as shapes, axes,
     indices, bounds, BatchNormalization statistics, Dropout ratios, Pow exponents, comparison operands or
-    RNN initial states, 0-d scalars, constants the dynamo exporter folded from its temporaries,
+    RNN initial states, 0-d scalars, tensors holding an infinite or NaN value (attention masks), constants the dynamo exporter folded from its temporaries,
     one-element ±1 constants read only as ``1 - x`` or ``x·(±1)``, and in skl2onnx models the constants of
     feature-wise Sub/Div/Mul/Add on the raw inputs (scalers' statistics) when weights follow them; pass ``weights=`` to train those
     (see docs/modes.md).

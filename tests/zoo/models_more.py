@@ -298,6 +298,113 @@ class EmbeddingBag(nn.Module):
         return F.log_softmax(self.fc(self.emb(x).mean(dim=1)), dim=1)
 
 
+class TiedParts(nn.Module):
+    """A Parameter read whole, transposed and in part (``W[:4]``), and a (2,) Parameter repeated
+    (``repeat_interleave``): both exporters fold the part and the repeat into initializers of their own
+    (``passes.tie`` ties them back to W and p)."""
+
+    def __init__(self):
+        super().__init__()
+        self.W = nn.Parameter(0.4 * torch.randn(6, 4))
+        self.p = nn.Parameter(torch.tensor([0.3, -0.2]))
+        self.out = nn.Linear(12, 1)
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.W.t())  # (N, 6)
+        r = h @ self.W + F.linear(x, self.W[:4])  # (N, 4)
+        # NOTE: p read as it is too: dynamo folds a parameter read only through repeat_interleave into that
+        # copy alone (p is then not in the ONNX model at all, nothing to tie it to)
+        return self.out(torch.cat([r, h * self.p.repeat_interleave(3), r[:, :2] * self.p], dim=1))
+
+
+class AttentionMasks(nn.Module):
+    """nn.MultiheadAttention with a boolean causal ``attn_mask`` buffer (exported as a constant of 0 and -inf,
+    not a weight), a ``key_padding_mask`` from the input and its averaged weights read; then
+    F.scaled_dot_product_attention(is_causal=True) of a Linear's heads; (N, 4, 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.register_buffer("causal", torch.triu(torch.ones(4, 4, dtype=torch.bool), 1))
+        self.qkv = nn.Linear(8, 24)
+        self.fc = nn.Linear(20, 1)
+
+    def forward(self, x):
+        padding = (x[:, :, 0] > 1.0) & (torch.arange(4) > 0)  # NOTE: the first key is never masked
+        h, w = self.attn(x, x, x, key_padding_mask=padding, attn_mask=self.causal, need_weights=True)
+        q, k, v = self.qkv(h).reshape(x.shape[0], 4, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        s = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape[0], 4, 8)
+        return self.fc(torch.cat([h.mean(dim=1), s.mean(dim=1), w.mean(dim=1)], dim=1))
+
+
+class ConvSame(nn.Module):
+    """Conv1d(padding="same") grouped (TorchScript writes auto_pad=SAME_UPPER), Conv1d(padding="same") of an
+    even kernel (one more pad at the end) without bias, ConvTranspose1d (stride 2, output_padding), mean over
+    time, Linear; (N, 2, 6). (onnxruntime cannot run SAME_UPPER with a dilation: torch's dilated "same" Conv
+    exported by TorchScript does not run at all.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.dw = nn.Conv1d(2, 4, 3, groups=2, padding="same")
+        self.c = nn.Conv1d(4, 4, 2, padding="same", bias=False)
+        self.tc = nn.ConvTranspose1d(4, 2, 3, stride=2, padding=1, output_padding=1)
+        self.fc = nn.Linear(2, 1)
+
+    def forward(self, x):
+        return self.fc(self.tc(torch.tanh(self.c(torch.tanh(self.dw(x))))).mean(dim=2))
+
+
+class Interpolate(nn.Module):
+    """Conv -> F.interpolate to a size (bilinear, align_corners; the exporters compute the sizes from the input's
+    shape) -> Conv stride 2 -> F.interpolate by a scale (bicubic) and to a smaller size (bicubic,
+    align_corners) -> Linear; (N, 1, 6, 6)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(1, 2, 3), nn.Conv2d(2, 2, 3, stride=2)
+        self.fc = nn.Linear(2 * 4 * 3 + 2 * 2 * 2, 1)
+
+    def forward(self, x):
+        h = self.c2(F.interpolate(self.c1(x), size=(7, 6), mode="bilinear", align_corners=True))  # (N, 2, 3, 2)
+        a = F.interpolate(h, scale_factor=(1.5, 1.5), mode="bicubic")  # (N, 2, 4, 3)
+        b = F.interpolate(h, size=(2, 2), mode="bicubic", align_corners=True)
+        return self.fc(torch.cat([a.flatten(1), b.flatten(1)], dim=1))
+
+
+class TensorOps2(nn.Module):
+    """Ops users write inline: clamp by Parameter bounds, amax/amin, torch.maximum, topk and sort values,
+    unbind/stack, flip/roll, masked_fill and where with scalars, gather/index_select by buffers, logsumexp,
+    var/std with a correction, norms p=1/2/inf, cosine similarity, torch.tile (TorchScript: an If on the rank),
+    torch.diagonal of a batch (TorchScript: an If on the sizes, GatherND batch_dims=1); one (1,) Parameter
+    broadcast."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(4, 6), nn.Linear(4, 6)
+        self.lo = nn.Parameter(torch.linspace(-0.5, -0.1, 6))
+        self.hi = nn.Parameter(torch.linspace(0.1, 0.6, 6))
+        self.s = nn.Parameter(torch.tensor([1.3]))
+        self.register_buffer("idx", torch.tensor([[0, 2, 2]]))
+        self.register_buffer("sel", torch.tensor([4, 0, 1]))
+        self.out = nn.Linear(49, 1)
+
+    def forward(self, x):
+        h, z = self.fc(x) * self.s, self.fc2(x)
+        g = h.reshape(-1, 2, 3)
+        a, b, c = torch.unbind(h.reshape(-1, 3, 2), 1)
+        parts = [torch.clamp(h, self.lo, self.hi), g.amax(2), g.amin((1, 2))[:, None],
+                 torch.maximum(h[:, :2], z[:, :2]), torch.topk(h, 3).values, torch.sort(z, 1).values[:, :3],
+                 torch.stack([a * b, c], 2).flatten(1), torch.roll(h.flip(1), 2, 1)[:, :3],
+                 h.masked_fill(h > 0.2, 0.5)[:, :3], torch.where(z > 0, z, 0.0)[:, :3],
+                 torch.gather(h, 1, self.idx.expand(h.shape[0], 3)), torch.index_select(z, 1, self.sel),
+                 torch.logsumexp(g, 2), torch.tile(z, (2,))[:, 4:7],
+                 torch.diagonal(g, dim1=1, dim2=2), torch.stack([h.var(1, correction=0), z.std(1), torch.norm(g, p=1, dim=(1, 2)),
+                                                     torch.norm(h, p=float("inf"), dim=1),
+                                                     torch.linalg.vector_norm(z, dim=1),
+                                                     F.cosine_similarity(h, z)], 1)]
+        return self.out(torch.cat(parts, 1))
+
+
 @dataclasses.dataclass
 class Spec:
     """How to build one model and its data (see ``zoo.models.TorchSpec``)."""
@@ -349,6 +456,11 @@ MODELS: dict[str, Spec] = {
     "birnn": Spec(BiRNN, (5, 3), lr=0.2, summary=lambda X: X[:, -1]),
     "gru2": Spec(GRU2, (5, 3), lr=0.2, summary=lambda X: X[:, -1]),
     "embedding": Spec(EmbeddingBag, (6,), loss="nll", classes=3, lr=0.5, tokens=10),
+    "tied_parts": Spec(TiedParts, (4,)),
+    "attention_masks": Spec(AttentionMasks, (4, 8), summary=lambda X: X.mean(axis=1)),
+    "conv_same": Spec(ConvSame, (2, 6), lr=0.3, summary=lambda X: X.mean(axis=2)),
+    "tensor_ops2": Spec(TensorOps2, (4,)),
+    "interpolate": Spec(Interpolate, (1, 6, 6), lr=0.1, summary=lambda X: 2 * X[:, :, 1:5, 1:5].mean(axis=(2, 3))),
 }
 
 

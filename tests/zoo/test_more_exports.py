@@ -41,7 +41,9 @@ EPOCHS = 6
 # dynamo at opset 18 for the activations only (other forms of HardSwish, Mish, Softmin, scalar constants).
 # bilinear: TorchScript cannot export aten::bilinear. birnn, gru2: dynamo takes 4-13 s (checked by hand, the
 # same ONNX GRU/LSTM nodes as TorchScript's). embedding: TorchScript only, see test_integer_inputs.
-ONE_EXPORTER = {"bilinear": ["dynamo"], "birnn": ["script"], "gru2": ["script"], "embedding": []}
+# conv_same: TorchScript only (its auto_pad=SAME_UPPER; dynamo writes explicit pads, checked by hand).
+ONE_EXPORTER = {"bilinear": ["dynamo"], "birnn": ["script"], "gru2": ["script"], "embedding": [],
+                "conv_same": ["script"]}
 EXPORTERS = {name: ONE_EXPORTER.get(name, ["dynamo", "script"]) for name in M.MODELS}
 EXPORTERS["activations"] = ["dynamo", "dynamo18", "script"]
 STATEFUL = [name for name, spec in M.MODELS.items() if spec.stateful]
@@ -185,6 +187,51 @@ def test_reflect_pad_of_a_hidden_value_is_refused_by_name():
     model = export(Net().eval(), np.zeros((2, 1, 5, 5), np.float32), "script")
     with pytest.raises(ModelError, match=r"Pad node '/Pad'.*constant mode only.*padding_mode='zeros'"):
         onnxopt.compile_train_step(model, mode="eval")
+
+
+def _if_model(static: bool):
+    """y = If(c, Relu(z), Neg(z)) + z, z = x @ W, the branches reading z from the outer scope; c is
+    ``rank(z) > 1`` (known when compiling: TorchScript writes one for torch.tile) or ``sum(x) > 0``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32), "W")
+    branch = {f"{k}_branch": helper.make_graph([helper.make_node(op, ["z"], [f"{k}_out"])], k, [],
+                                               [helper.make_tensor_value_info(f"{k}_out", TensorProto.FLOAT, None)])
+              for k, op in (("then", "Relu"), ("else", "Neg"))}
+    cond = [helper.make_node("Shape", ["z"], ["s"]), helper.make_node("Size", ["s"], ["r"]),
+            helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.array(1, np.int64))),
+            helper.make_node("Greater", ["r", "one"], ["c"])] if static else [
+        helper.make_node("ReduceSum", ["x"], ["r"], keepdims=0),
+        helper.make_node("Constant", [], ["zero"], value=numpy_helper.from_array(np.array(0, np.float32))),
+        helper.make_node("Greater", ["r", "zero"], ["c"])]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["z"]), *cond,
+             helper.make_node("If", ["c"], ["u"], name="rank_if", **branch), helper.make_node("Add", ["u", "z"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), numpy_helper.to_array(w)
+
+
+def test_if_of_a_run_time_condition_is_refused_by_name():
+    """An If whose branch reads a value that depends on a weight, on a condition known only at run time:
+    onnxopt has no If rule, so it names the node instead of leaving that path's gradient out (the branch reads
+    the value from the outer scope, not as an input)."""
+    from onnxopt.errors import NotDifferentiableError
+
+    with pytest.raises(NotDifferentiableError, match=r"If \(node 'rank_if'\) whose inputs \['z'\]"):
+        onnxopt.compile_train_step(_if_model(static=False)[0], loss="square", gradient="onnxopt")
+
+
+def test_if_of_a_rank_condition_is_inlined():
+    """If(rank(z) > 1) takes its then branch: the gradient is that of Relu(z) + z, computed by hand."""
+    model, w = _if_model(static=True)
+    rng = np.random.default_rng(1)
+    X, y = rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32)
+    loss, grads, _ = first_step(model, "eval", X, y, loss="square", gradient="onnxopt")
+    z = X.astype(np.float64) @ w
+    out = np.maximum(z, 0) + z
+    np.testing.assert_allclose(loss, np.mean((out - y) ** 2), rtol=1e-5)
+    dz = 2 * (out - y) / y.size * ((z > 0) + 1.0)
+    np.testing.assert_allclose(grads["W"], X.T @ dz, rtol=1e-5, atol=1e-7)
 
 
 def test_identity_transpose_before_matmul():

@@ -124,6 +124,48 @@ def _lp_pool(op, node, x):
     return op.Sqrt(total) if p == 2 else op.Pow(total, _k(op, 1.0 / p, x))
 
 
+def _same_pads(node: ir.Node) -> list[int] | None:
+    """The explicit pads of a Conv with auto_pad SAME_UPPER/SAME_LOWER (torch's ``padding="same"`` as TorchScript
+    writes it): by the kernel alone when every stride is 1, else by the static spatial size; None if unknown."""
+    x, w = node.inputs[0], node.inputs[1]
+    kernel = list(node.attributes.get_ints("kernel_shape", []))
+    if not kernel and w.shape is not None and all(isinstance(d, int) for d in w.shape[2:]):
+        kernel = list(w.shape[2:])
+    if not kernel:
+        return None
+    n = len(kernel)
+    strides = list(node.attributes.get_ints("strides", [1] * n))
+    dilations = list(node.attributes.get_ints("dilations", [1] * n))
+    sizes = list(x.shape[2:]) if x.shape is not None and len(x.shape) == n + 2 else [None] * n
+    begins, ends = [], []
+    for k, s, d, size in zip(kernel, strides, dilations, sizes):
+        if s == 1:
+            total = (k - 1) * d
+        elif isinstance(size, int):
+            total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        else:
+            return None
+        small = total // 2
+        upper = node.attributes.get_string("auto_pad") == "SAME_UPPER"
+        begins.append(small if upper else total - small)
+        ends.append(total - small if upper else small)
+    return begins + ends
+
+
+def _conv_same_check(node: ir.Node) -> str | None:
+    if node.attributes.get_string("auto_pad", "NOTSET") not in ("SAME_UPPER", "SAME_LOWER"):
+        return "only auto_pad SAME_UPPER/SAME_LOWER is rewritten"
+    return None if _same_pads(node) is not None else "auto_pad SAME with a stride > 1 needs a static spatial shape"
+
+
+@rewrite("Conv", family=F, check=_conv_same_check)
+def _conv_same(op, node, x, w, b=None):
+    """Conv with auto_pad SAME_*: the same Conv with the pads written out (the rule needs explicit pads)."""
+    attrs = {k: node.attributes[k].value for k in ("kernel_shape", "strides", "dilations", "group")
+             if k in node.attributes}
+    return op.Conv(*([x, w] if b is None else [x, w, b]), pads=_same_pads(node), **attrs)
+
+
 def _resize_factors(node: ir.Node) -> list[int] | None:
     """The integer factor of each axis of a nearest Resize given constant scales or sizes, else None."""
     x = node.inputs[0]
@@ -142,21 +184,71 @@ def _resize_factors(node: ir.Node) -> list[int] | None:
     return [int(f) for f in factors]
 
 
-def _linear_scales(node: ir.Node) -> list[float] | None:
-    """The scale of each axis of a linear Resize given constant scales, when only static axes >= 2 change."""
+def _spatial_sizes(node: ir.Node) -> list[int] | None:
+    """The output sizes of a Resize's axes >= 2 given by its ``sizes`` input: a constant, or the exporters'
+    ``Concat(Shape(x)[:2], constant)`` (batch and channels kept, whatever the batch)."""
+    x, sizes = node.inputs[0], node.inputs[3] if len(node.inputs) > 3 else None
+    if sizes is None or x.shape is None:
+        return None
+    if sizes.const_value is not None:
+        return [int(v) for v in sizes.const_value.numpy()[2:]] if sizes.const_value.size == len(x.shape) else None
+    concat = sizes.producer()
+    if concat is None or concat.op_type != "Concat" or len(concat.inputs) != 2:
+        return None
+    head, tail = concat.inputs
+    if tail is None or tail.const_value is None or tail.const_value.size != len(x.shape) - 2:
+        return None
+    shape = head.producer() if head is not None else None
+    if shape is not None and shape.op_type == "Slice" and all(
+            v is not None and v.const_value is not None for v in shape.inputs[1:3]):
+        start, end = (int(v.const_value.numpy().reshape(-1)[0]) for v in shape.inputs[1:3])
+        axes = shape.inputs[3] if len(shape.inputs) > 3 else None
+        if (start, end) != (0, 2) or (axes is not None and (axes.const_value is None or
+                                                            axes.const_value.numpy().reshape(-1).tolist() != [0])):
+            return None
+        shape = shape.inputs[0].producer()
+    elif shape is not None and shape.op_type == "Shape" and (shape.attributes.get_int("start", 0),
+                                                               shape.attributes.get_int("end", -99)) != (0, 2):
+        return None
+    if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not x:
+        return None
+    return [int(v) for v in tail.const_value.numpy()]
+
+
+def _linear_scales(node: ir.Node) -> list[tuple[float, int]] | None:
+    """(scale, output size) of each axis of a linear or cubic Resize given constant scales, or sizes of its axes
+    >= 2 (``_spatial_sizes``), when only static axes >= 2 change."""
     x, scales = node.inputs[0], node.inputs[2] if len(node.inputs) > 2 else None
-    if x.shape is None or scales is None or scales.const_value is None:
+    if x.shape is None:
         return None
-    if scales.const_value.size != len(x.shape):
+    if scales is not None and scales.const_value is not None and scales.const_value.size:
+        if scales.const_value.size != len(x.shape):
+            return None
+        factors = [float(f) for f in scales.const_value.numpy()]
+        moved = [k for k, f in enumerate(factors) if f != 1.0]
+        if not all(k >= 2 and isinstance(x.shape[k], int) for k in moved):
+            return None
+        return [(f, int(np.floor(x.shape[k] * f)) if k in moved else None) for k, f in enumerate(factors)]
+    sizes = _spatial_sizes(node)
+    if sizes is None or not all(isinstance(d, int) for d in x.shape[2:]):
         return None
-    factors = [float(f) for f in scales.const_value.numpy()]
-    moved = [k for k, f in enumerate(factors) if f != 1.0]
-    return factors if all(k >= 2 and isinstance(x.shape[k], int) for k in moved) else None
+    return [(1.0, None), (1.0, None)] + [(n / d, n) if n != d else (1.0, None) for n, d in zip(sizes, x.shape[2:])]
 
 
-def _interpolation(n_in: int, scale: float, mode: str) -> np.ndarray:
-    """(n_in, n_out) matrix of 1-D linear interpolation, source coordinates as onnxruntime computes them."""
-    n_out = int(np.floor(n_in * scale))
+def _cubic_weights(t: np.ndarray, a: float) -> np.ndarray:
+    """(len(t), 4) weights of the neighbours -1, 0, 1, 2 of the cubic convolution at fractions ``t``."""
+    s = np.abs(t[:, None] - np.array([-1.0, 0.0, 1.0, 2.0]))
+    near = ((a + 2) * s - (a + 3)) * s * s + 1
+    far = ((a * s - 5 * a) * s + 8 * a) * s - 4 * a
+    return np.where(s <= 1, near, np.where(s < 2, far, 0.0))
+
+
+def _interpolation(n_in: int, scale: float, mode: str, n_out: int | None = None,
+                   cubic: float | None = None) -> np.ndarray:
+    """(n_in, n_out) matrix of 1-D linear (or, ``cubic`` its coefficient a, cubic) interpolation, source
+    coordinates as onnxruntime computes them (cubic: neighbours outside clamped to the edge, as torch's
+    bicubic)."""
+    n_out = int(np.floor(n_in * scale)) if n_out is None else n_out
     i = np.arange(n_out, dtype=np.float64)
     if mode == "align_corners":
         x = i * (n_in - 1) / (n_out - 1) if n_out > 1 else np.zeros(n_out)
@@ -164,26 +256,34 @@ def _interpolation(n_in: int, scale: float, mode: str) -> np.ndarray:
         x = i / scale
     else:  # half_pixel; pytorch_half_pixel differs only for one output
         x = (i + 0.5) / scale - 0.5 if n_out > 1 or mode == "half_pixel" else np.zeros(n_out)
+    a = np.zeros((n_in, n_out))
+    if cubic is not None:
+        lo = np.floor(x).astype(np.int64)
+        weights = _cubic_weights(x - lo, cubic)
+        for k in range(4):
+            np.add.at(a, (np.clip(lo - 1 + k, 0, n_in - 1), np.arange(n_out)), weights[:, k])
+        return a
     x = np.clip(x, 0, n_in - 1)
     lo = np.floor(x).astype(np.int64)
     hi, frac = np.minimum(lo + 1, n_in - 1), x - lo
-    a = np.zeros((n_in, n_out))
     np.add.at(a, (lo, np.arange(n_out)), 1 - frac)
     np.add.at(a, (hi, np.arange(n_out)), frac)
     return a
 
 
 def _resize_linear(op, node, x):
-    """Linear Resize as one MatMul per resized axis by its constant interpolation matrix (ResizeGrad has no
-    CPU kernel)."""
+    """Linear or cubic Resize as one MatMul per resized axis by its constant interpolation matrix (ResizeGrad
+    has no CPU kernel)."""
     mode = node.attributes.get_string("coordinate_transformation_mode", "half_pixel")
+    cubic = node.attributes.get_float("cubic_coeff_a", -0.75) if node.attributes.get_string("mode") == "cubic" \
+        else None
     rank, y = len(x.shape), x
-    for k, f in enumerate(_linear_scales(node)):
+    for k, (f, n_out) in enumerate(_linear_scales(node)):
         if f == 1.0:
             continue
         perm = list(range(rank))
         perm[k], perm[-1] = perm[-1], perm[k]
-        a = op.CastLike(op.Constant(value=ir.tensor(_interpolation(x.shape[k], f, mode))), x)
+        a = op.CastLike(op.Constant(value=ir.tensor(_interpolation(x.shape[k], f, mode, n_out, cubic))), x)
         if k == rank - 1:
             y = op.MatMul(y, a)
         else:
@@ -192,9 +292,12 @@ def _resize_linear(op, node, x):
 
 
 def _resize_check(node: ir.Node) -> str | None:
-    if node.attributes.get_string("mode", "nearest") == "linear":
+    if node.attributes.get_string("mode", "nearest") in ("linear", "cubic"):
         if node.attributes.get_int("antialias", 0) or _linear_scales(node) is None:
-            return "only linear Resize by constant scales of static axes >= 2, no antialias, is rewritten"
+            return ("only linear or cubic Resize by constant scales or sizes of static axes >= 2, no antialias, "
+                    "is rewritten")
+        if node.attributes.get_int("exclude_outside", 0):
+            return "cubic Resize with exclude_outside=1 is not rewritten"
         mode = node.attributes.get_string("coordinate_transformation_mode", "half_pixel")
         modes = ("half_pixel", "pytorch_half_pixel", "asymmetric", "align_corners")
         return None if mode in modes else f"coordinate_transformation_mode {mode!r} is not rewritten"
@@ -211,8 +314,9 @@ def _resize_check(node: ir.Node) -> str | None:
 
 @rewrite("Resize", family=F, check=_resize_check)
 def _resize(op, node, x, *_):
-    """Nearest Resize by integer factors: each element repeated (Unsqueeze, Expand, Reshape), a copy."""
-    if node.attributes.get_string("mode", "nearest") == "linear":
+    """Nearest Resize by integer factors: each element repeated (Unsqueeze, Expand, Reshape), a copy; linear and
+    cubic: one constant interpolation matrix per resized axis."""
+    if node.attributes.get_string("mode", "nearest") in ("linear", "cubic"):
         return _resize_linear(op, node, x)
     factors = _resize_factors(node)
     y = op.Unsqueeze(x, op.Constant(value_ints=[2 * i + 1 for i in range(len(factors))]))

@@ -216,18 +216,31 @@ def _is_float(v: ir.Value | None, types: dict) -> bool:
     return bool(floats) and floats[min(v.index(), len(floats) - 1)]
 
 
+def _reads(node: ir.Node) -> list[ir.Value]:
+    """The values ``node`` reads: its inputs, and the outer values its subgraphs read (an If branch or a Loop
+    body captures them by name: a gradient path through them must not be missed)."""
+    out = [v for v in node.inputs if v is not None]
+    for attr in node.attributes.values():
+        subs = [attr.as_graph()] if attr.type == ir.AttributeType.GRAPH else \
+            list(attr.as_graphs()) if attr.type == ir.AttributeType.GRAPHS else []
+        for sub in subs:
+            for inner in sub:
+                out += [v for v in _reads(inner) if v.graph is not sub]
+    return out
+
+
 def _active_nodes(graph: ir.Graph, wrt: set[ir.Value], types: dict) -> tuple[set, list[ir.Node]]:
     """The values depending on ``wrt`` through float values, and the nodes to differentiate (reverse order):
     those with an active input and an output from which a float graph output depends."""
     active = set(wrt)
     for node in graph:
-        if any(v in active for v in node.inputs if v is not None):
+        if any(v in active for v in _reads(node)):
             active.update(o for o in node.outputs if _is_float(o, types))
     useful = {v for v in graph.outputs if v in active}
     todo = []
     for node in reversed(list(graph)):
         if any(o in useful for o in node.outputs):
-            ins = [v for v in node.inputs if v is not None and v in active]
+            ins = [v for v in _reads(node) if v in active]
             if ins:
                 useful.update(ins)
                 todo.append(node)
@@ -344,7 +357,7 @@ def _check_rules(todo: list[ir.Node], active: set) -> None:
     missing = [n for n in todo if _rule_of(n) is None]
     if missing:
         listed = ", ".join(f"{n.domain or 'ai.onnx'}::{n.op_type} (node {n.name!r}) whose inputs "
-                           f"{[v.name for v in n.inputs if v is not None and v in active]} need a gradient"
+                           f"{list(dict.fromkeys(v.name for v in _reads(n) if v in active))} need a gradient"
                            for n in missing)
         raise NotDifferentiableError(
             f"model: onnxopt has no gradient rule for {len(missing)} node(s): {listed}; expected ops of "

@@ -119,11 +119,23 @@ def _gather_elements(c):
 
 @rule("GatherND", family=F, inputs=(0,))
 def _gather_nd(c):
-    """dx = dy scatter-added into zeros at the gathered slices (batch_dims 0)."""
-    if c.attr("batch_dims", 0):
-        raise ValueError(f"GatherND node {c.node.name!r}: batch_dims > 0 has no rule")
-    x, dy = c.I(0), c.go(0)
-    return [c.ScatterND(c.Expand(c.const(0.0, dy), c.Shape(x)), c.I(1), dy, reduction="add")]
+    """dx = dy scatter-added into zeros at the gathered slices; batch_dims 1 (TorchScript's torch.diagonal of a
+    batch) by the batch index prepended to each index tuple."""
+    x, dy, idx = c.I(0), c.go(0), c.I(1)
+    batch_dims = c.attr("batch_dims", 0)
+    if batch_dims > 1:
+        raise ValueError(f"GatherND node {c.node.name!r}: batch_dims > 1 has no rule")
+    if batch_dims == 1:
+        q = c.rank(idx)
+        if q is None:
+            raise ValueError(f"GatherND node {c.node.name!r}: batch_dims 1 needs the rank of the indices")
+        shape = c.Shape(idx)
+        n = c.Gather(shape, c.ints([0]))
+        rows = c.Reshape(c.Range(c.Constant(value=ir.tensor(np.array(0, np.int64))), c.Squeeze(n),
+                                 c.Constant(value=ir.tensor(np.array(1, np.int64)))), c.ints([-1] + [1] * (q - 1)))
+        rows = c.Expand(rows, c.Concat(c.Slice(shape, c.ints([0]), c.ints([-1])), c.ints([1]), axis=0))
+        idx = c.Concat(c.CastLike(rows, idx), idx, axis=-1)
+    return [c.ScatterND(c.Expand(c.const(0.0, dy), c.Shape(x)), idx, dy, reduction="add")]
 
 
 @rule("Tile", family=F, inputs=(0,))

@@ -161,6 +161,95 @@ def _same_shape(value: ir.Value, out: ir.Value) -> bool:
         isinstance(x, int) and x == y for x, y in zip(a, b))
 
 
+_STATIC_BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Greater": np.greater, "Less": np.less,
+                  "Equal": np.equal, "GreaterOrEqual": np.greater_equal, "LessOrEqual": np.less_equal,
+                  "And": np.logical_and, "Or": np.logical_or, "Max": np.maximum, "Min": np.minimum}
+
+
+def _static_dims(node: ir.Node) -> np.ndarray | None:
+    """``Gather(Shape(x), k)`` or ``Shape(x)`` as constants when the dimensions read are static sizes of x."""
+    shape = node if node.op_type == "Shape" else node.inputs[0].producer()
+    if shape is None or shape.op_type != "Shape" or shape.attributes or shape.inputs[0].shape is None:
+        return None
+    dims = list(shape.inputs[0].shape)
+    if node is shape:
+        picked = dims
+    else:
+        k = _static_value(node.inputs[1], 32) if len(node.inputs) > 1 else None
+        if k is None or node.attributes.get_int("axis", 0) != 0:
+            return None
+        picked = [dims[int(i)] for i in k.reshape(-1)]
+        if not all(isinstance(d, int) for d in picked):
+            return None
+        return np.array(picked, np.int64).reshape(k.shape)
+    return np.array(picked, np.int64) if all(isinstance(d, int) for d in picked) else None
+
+
+def _static_value(value: ir.Value | None, depth: int = 0) -> np.ndarray | None:
+    """``value`` computed at compile time from constants and ranks (``Size(Shape(x))`` of an x of known
+    rank), through a few integer and boolean ops; None when it depends on run-time data."""
+    if value is None or depth > 32:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "Constant" and "value" in node.attributes:
+        return node.attributes["value"].as_tensor().numpy()
+    if node.op_type == "Size" and (shape := node.inputs[0].producer()) is not None and shape.op_type == "Shape" \
+            and not shape.attributes and shape.inputs[0].shape is not None:
+        return np.array(len(shape.inputs[0].shape), np.int64)
+    if node.op_type in ("Shape", "Gather") and (dims := _static_dims(node)) is not None:
+        return dims
+    args = [_static_value(v, depth + 1) for v in node.inputs]
+    if any(a is None for a in args):
+        return None
+    if node.op_type in _STATIC_BINARY and len(args) == 2:
+        return _STATIC_BINARY[node.op_type](*args)
+    if node.op_type == "Not":
+        return np.logical_not(args[0])
+    if node.op_type == "Identity":
+        return args[0]
+    if node.op_type == "Concat" and all(a.ndim == 1 for a in args):
+        return np.concatenate(args)
+    if node.op_type == "Cast":
+        return args[0].astype(ir.DataType(node.attributes.get_int("to")).numpy())
+    return None
+
+
+def _inline_static_ifs(graph: ir.Graph) -> int:
+    """Replaces each If whose condition is known at compile time (TorchScript writes ``If(rank > 1)`` for
+    ``torch.tile``) by the nodes of the branch it takes: their gradient is then built like any other (an If
+    left on a gradient path is refused by name). Returns the count inlined."""
+    count = 0
+    for node in list(graph):
+        if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
+            continue
+        cond = _static_value(node.inputs[0])
+        if cond is None or cond.size != 1:
+            continue
+        branch = node.attributes["then_branch" if bool(cond.reshape(-1)[0]) else "else_branch"].as_graph()
+        if branch.initializers or branch.inputs or len(branch.outputs) != len(node.outputs):
+            continue
+        outputs = list(branch.outputs)
+        branch.outputs.clear()
+        inner = list(branch)
+        for n in inner:
+            branch.remove(n)
+        graph.insert_before(node, inner)
+        for old, new in zip(node.outputs, outputs):
+            if old.is_graph_output() and (new.is_graph_output() or new.is_graph_input() or new.producer() is None):
+                new = ir.node("Identity", [new]).outputs[0]
+                graph.insert_before(node, new.producer())
+            ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+            if new.type is None:
+                new.type, new.shape = old.type, old.shape
+        graph.remove(node, safe=True)
+        count += 1
+    return count
+
+
 def decompose(model: ir.Model, unroll_recurrent: bool = False, gradient: str = "builder") -> ir.Model:
     """Applies ``RULES`` to the ops of ``model`` that have one, completes nodes, names the unnamed nodes whose
     gradient comes from ``GRADIENTS`` (the builder prefixes their gradient nodes by name); returns ``model``.
@@ -168,6 +257,7 @@ def decompose(model: ir.Model, unroll_recurrent: bool = False, gradient: str = "
     builder: split directions, explicit initial states, RNN unrolled, GRU and LSTM too if ``unroll_recurrent``)."""
     from onnxopt.autodiff.recurrent import lower_recurrent
 
+    _inline_static_ifs(model.graph)
     # NOTE: on the model's own Where nodes (typed by shape inference), before the rules add theirs
     _expand_where_branches(model.graph)
     present = {n.op_type for n in model.graph if n.domain in ("", "ai.onnx")}

@@ -7,7 +7,12 @@ torch.onnx folds ``Transpose(weight)`` into a second initializer where a tied we
   so zeros and ones are never tied), A first in the model; or B named as folded from A in the dynamo export's
   metadata (``pkg.onnxscript.optimizer.folded_from``), checked the same way;
 - replaces B by ``Transpose(A)`` (or by A) and drops B: A's gradient sums both readers', an update moves both,
-  and the trained model stays tied (one tensor and a Transpose node).
+  and the trained model stays tied (one tensor and a Transpose node);
+- then finds each float initializer B left whose every value is an element of one other, A, whose values are all
+  distinct: a part or a rearrangement of a parameter the exporter folded (``W[:4]``, ``W[:4].T``,
+  ``p.repeat_interleave(3)``, ``p.expand(...)``), replaced by ``Reshape(Gather(Reshape(A, [-1]), index))``. B
+  must hold a value no constant table holds (not a multiple of 1/1024), so a 0/1 mask or a position table is
+  never taken for a part of a parameter that happens to hold those values.
 ``compile_train_step(tie=False)`` and ``ForwardBackward(tie=False)`` keep the copies apart.
 """
 
@@ -73,6 +78,45 @@ def _ties(g: ir.Graph) -> dict[str, tuple[str, list[int] | None]]:
     return ties
 
 
+_GATHER_LIMIT = 1 << 24  # NOTE: the search reads every float initializer once: skipped on larger models
+
+
+def _gathers(arrays: dict[str, np.ndarray], done: set[str]) -> dict[str, tuple[str, np.ndarray]]:
+    """{B: (A, flat indices into A)} for the initializers B (not in ``done``) made of elements of another A."""
+    if sum(a.size for a in arrays.values()) > _GATHER_LIMIT:
+        return {}
+
+    def table_like(a: np.ndarray) -> bool:
+        scaled = a.astype(np.float64) * 1024
+        return bool(np.all(scaled == np.round(scaled)))
+
+    wanted = {n: a for n, a in arrays.items() if n not in done and not table_like(a)}
+    if not wanted:
+        return {}
+    firsts = {n: a.flat[0] for n, a in wanted.items()}
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    sources: set[str] = set()
+    for name_a, a in arrays.items():  # NOTE: the first of two rearrangements of each other is kept
+        if name_a in out:
+            continue
+        flat = a.ravel()
+        hits = [n for n, v in firsts.items() if n != name_a and n not in out and n not in sources
+                and a.dtype == wanted[n].dtype and np.any(flat == v)]
+        if not hits:
+            continue
+        order = np.argsort(flat, kind="stable")
+        ordered = flat[order]
+        if np.any(ordered[1:] == ordered[:-1]):  # NOTE: a repeated value: which element a copy reads is unknown
+            continue
+        for name_b in hits:
+            b = wanted[name_b].ravel()
+            pos = np.clip(np.searchsorted(ordered, b), 0, len(ordered) - 1)
+            if np.array_equal(ordered[pos], b):
+                out[name_b] = (name_a, order[pos].reshape(wanted[name_b].shape))
+                sources.add(name_a)
+    return out
+
+
 def _key(a: np.ndarray) -> tuple:
     return a.dtype.str, a.shape, hash(np.ascontiguousarray(a).tobytes())
 
@@ -84,6 +128,27 @@ def tie_parameters(m: ir.Model, tie: bool = True) -> dict[str, str]:
     g = m.graph
     ties = _ties(g)
     nodes = []
+    arrays = {n: v.const_value.numpy() for n, v in g.initializers.items()
+              if v.dtype in _FLOATS and v.const_value is not None and v.const_value.size > 1
+              and n not in {i.name for i in g.inputs}}
+    arrays = {n: a for n, a in arrays.items() if not np.all(a == a.flat[0])}
+    gathers = _gathers({n: a for n, a in arrays.items() if n not in ties}, set())
+    for copy, (kept, index) in gathers.items():
+        old, source = g.initializers.pop(copy), g.initializers[kept]
+        flat = ir.node("Reshape", [source, ir.Value(name=f"tie/{copy}/flat", const_value=ir.tensor(
+            np.array([-1], np.int64)))], name=f"tie/{copy}/flat")
+        taken = ir.node("Gather", [flat.outputs[0], ir.Value(name=f"tie/{copy}/index", const_value=ir.tensor(
+            index.astype(np.int64)))], {"axis": 0}, name=f"tie/{copy}")
+        for node in (flat, taken):
+            for v in node.inputs[1:]:
+                v.type, v.shape = ir.TensorType(ir.DataType.INT64), ir.Shape(v.const_value.shape)
+                g.register_initializer(v)
+        new = taken.outputs[0]
+        new.type, new.shape = old.type, old.shape
+        nodes += [flat, taken]
+        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+        new.name = copy
+        logger.info("tied %r to elements of %r", copy, kept)
     for copy, (kept, perm) in ties.items():
         old, new = g.initializers.pop(copy), g.initializers[kept]
         if perm is not None:
@@ -98,7 +163,7 @@ def tie_parameters(m: ir.Model, tie: bool = True) -> dict[str, str]:
     if nodes:
         first = next(iter(g), None)
         g.insert_before(first, nodes) if first is not None else g.extend(nodes)
-    return {copy: kept for copy, (kept, _) in ties.items()}
+    return {**{copy: kept for copy, (kept, _) in ties.items()}, **{copy: kept for copy, (kept, _) in gathers.items()}}
 
 
 def retarget(names: Sequence[str] | str | None, ties: dict[str, str]) -> list[str] | None:
