@@ -144,3 +144,27 @@ def test_full_training_with_loss_in_the_graph(rng):
         last = np.mean([runner.step(X[i:i + 5], truth[i:i + 5]) for i in range(0, 100, 5)])
     assert last < first / 1000
     np.testing.assert_allclose(runner.get_weights()["init_1"], [[-2, 3]], atol=1e-2)
+
+
+def test_a_convolution_counts_its_work_per_image_position():
+    """A CNN's threads follow its work, not its few weights: a 3x3 Conv of 16 channels on 3x32x32 images has 448
+    parameters (1 thread for 448 x 32 rows) but 442k multiply-adds per image (ORT's pool); on 4x4 images, one."""
+    import onnx.helper as oh
+    from onnx import TensorProto, numpy_helper
+
+    from onnxopt.runner import step_work
+
+    def cnn(side):
+        w = numpy_helper.from_array(np.full((16, 3, 3, 3), 0.01, np.float32), "W")
+        b = numpy_helper.from_array(np.zeros(16, np.float32), "B")
+        graph = oh.make_graph(
+            [oh.make_node("Conv", ["X", "W", "B"], ["c"], pads=[1, 1, 1, 1]),
+             oh.make_node("GlobalAveragePool", ["c"], ["p"]), oh.make_node("Flatten", ["p"], ["Y"])],
+            "cnn", [oh.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 3, side, side])],
+            [oh.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 16])], [w, b])
+        return onnxopt.compile_train_step(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)]), loss="square")
+
+    big, small = cnn(32), cnn(4)
+    assert step_work(big) == 432 * 32 * 32 + 16 and step_work(small) == 432 * 16 + 16
+    assert onnxopt.Runner(big, batch_size=32)._opts.intra_op_num_threads == 0  # NOTE: 0: one thread per core
+    assert onnxopt.Runner(small, batch_size=32)._opts.intra_op_num_threads == 1

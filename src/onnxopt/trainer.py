@@ -29,7 +29,7 @@ from onnxopt.fuse import compile_train_step
 from onnxopt.loss_output import add_loss_output
 from onnxopt.modelio import load_model
 from onnxopt.resolve import resolve_loss
-from onnxopt.runner import Runner, default_session_options
+from onnxopt.runner import Runner, default_session_options, step_work
 from onnxopt.scaling import fit_scaling
 from onnxopt.step import _KEY as STEP_KEY, TrainStep
 from onnxopt.tasks import choose_loss
@@ -130,8 +130,7 @@ class Trainer:
             return distributed.DataParallelRunner(*self._parallel, device=self.device, batch_size=batch)
         opts = None
         if streamed and self.device == "cpu":  # NOTE: the reader thread needs the cores ORT's threads would spin on
-            size = sum(a.size for a in self.train_step_.initial_weights().values())
-            opts = default_session_options(size, batch, spinning=False)
+            opts = default_session_options(step_work(self.train_step_), batch, spinning=False)
         return Runner(self.train_step_, device=self.device, batch_size=batch, session_options=opts)
 
     def _initialize(self, X=None, y=None) -> None:
