@@ -121,10 +121,10 @@ def _weight_names(m: ir.Model) -> list[str]:
 def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
     """Returns the real weights of ``model``: float initializers except those read only as shapes, axes,
     indices, bounds, BatchNormalization statistics, Dropout ratios, Pow exponents, comparison operands or
-    RNN initial states, 0-d scalars, tensors holding an infinite or NaN value (attention masks), constants the dynamo exporter folded from its temporaries,
-    one-element ±1 constants read only as ``1 - x`` or ``x·(±1)``, and in skl2onnx models the constants of
-    feature-wise Sub/Div/Mul/Add on the raw inputs (scalers' statistics) when weights follow them; pass ``weights=`` to train those
-    (see docs/modes.md).
+    RNN initial states, 0-d scalars, tensors holding an infinite or NaN value (attention masks), constants the
+    dynamo exporter folded from its temporaries, one-element ±1 constants read only as ``1 - x`` or ``x·(±1)``,
+    and in skl2onnx models the constants of feature-wise Sub/Div/Mul/Add on the raw inputs (scalers'
+    statistics) when weights follow them; pass ``weights=`` to train those (see docs/modes.md).
 
     >>> from onnxopt.examples import linear_regression
     >>> sorted(train_initializers(linear_regression(3)))

@@ -50,15 +50,16 @@ _COPIED = 32 * 1024
 SMALL_STEP = 1_000_000
 
 
-def step_work(step: TrainStep) -> int:
+def step_work(step: TrainStep, weights: Mapping[str, np.ndarray] | None = None) -> int:
     """The work per sample that decides a step's threads: its parameters, a convolution's counted once per
     position of the input's static spatial grid (a CNN has few weights and much work: R1, 3x32x32 images,
-    trains 1.8x faster on 2 threads than on the one its 30k parameters alone would get)."""
-    model = step.model
+    trains 1.8x faster on 2 threads than on the one its 30k parameters alone would get). ``weights``: the
+    step's initial weights when the caller holds them already."""
+    model, weights = step.model, step.initial_weights() if weights is None else weights
     dims = next((list(i.type.tensor_type.shape.dim) for i in model.graph.input if i.name == step.inputs[0]), [])
     grid = math.prod(d.dim_value if d.HasField("dim_value") else 1 for d in dims[2:])
     conv = {n.input[1] for n in model.graph.node if n.op_type in ("Conv", "ConvTranspose") and len(n.input) > 1}
-    return sum(a.size * (grid if name in conv else 1) for name, a in step.initial_weights().items())
+    return sum(a.size * (grid if name in conv else 1) for name, a in weights.items() if name in step.weights)
 
 
 def default_session_options(n_parameters: int, batch_size: int = 32, spinning: bool = True) -> ort.SessionOptions:
@@ -195,8 +196,9 @@ class Runner:
 
     ``session_options`` overrides ``default_session_options`` (threads, optimization level), which
     ``batch_size`` (the usual batch length) tunes; the step's session is made for batches of that length
-    (the batch axis fixed), another length runs a second session made on first use. A runner may be shared between threads: its public
-    methods hold a lock, so concurrent steps run one after the other and none is lost.
+    (the batch axis fixed), another length runs a second session made on first use. A runner may be shared
+    between threads: its public methods hold a lock, so concurrent steps run one after the other and none is
+    lost.
     """
 
     def __init__(self, step: TrainStep | str | os.PathLike, device: str = "cpu",
@@ -212,7 +214,7 @@ class Runner:
         initial = {**self.train_step.initial_weights(), **self.train_step.initial_buffers()}
         self.dtype = next(iter(initial.values())).dtype
         self._size = sum(a.size for a in initial.values())
-        opts = session_options or default_session_options(step_work(self.train_step), batch_size)
+        opts = session_options or default_session_options(step_work(self.train_step, initial), batch_size)
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         # NOTE: packs are host buffers whose members are bound as numpy views, hoisted values host arrays (CPU only)
         threads = opts.intra_op_num_threads or os.cpu_count() or 1  # NOTE: 0 is ORT's default: one per core
