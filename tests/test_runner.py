@@ -48,13 +48,19 @@ def test_one_session_run_per_step_and_no_new_session(data, monkeypatch):
 
 
 def test_batches_of_another_length_train_as_a_plain_session_loop(data, monkeypatch):
-    """The step's session has the batch axis fixed to ``batch_size`` rows (onnxruntime folds its shape
-    computations); other lengths run a second session made once, over the same weights and state."""
+    """A step that epochs run one by one (parameters × batch from SMALL_STEP, here lowered) has its session's
+    batch axis fixed to ``batch_size`` rows (onnxruntime folds its shape computations); other lengths run a
+    second session made once, over the same weights and state. A smaller step's epochs run as one Scan: its
+    step session keeps the axis free."""
     X, y = data
     step = _step(update="adam")
+    x = step.inputs[0]
+    free = {i.name: i.shape for i in onnxopt.Runner(step, batch_size=8).session.get_inputs()}[x]
+    assert free[1:] == [4] and not isinstance(free[0], int)
+    monkeypatch.setattr(onnxopt.runner, "SMALL_STEP", 1)
     runner = onnxopt.Runner(step, batch_size=8)
     shapes = {i.name: i.shape for i in runner.session.get_inputs()}
-    assert shapes[step.inputs[0]] == [8, 4]
+    assert shapes[x] == [8, 4]
     batches = [(0, 8), (8, 13), (13, 21), (21, 26), (26, 34)]
     weights, state, losses, sessions = step.initial_weights(), {}, [], []
     for k, (start, end) in enumerate(batches):

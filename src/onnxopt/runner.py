@@ -231,8 +231,11 @@ class Runner:
         stripped, self.batch_size, self._epoch, self._loop_io = _without_values(model, initial), batch_size, None, {}
         self._loop_bound: list[tuple | None] = [None] * _N_SETS  # NOTE: per epoch binding: (steps, batch) it holds
         self._cpu = stripped if cpu and scannable(model) else None  # NOTE: the epoch model's body, made when used
-        # NOTE: the step's session runs batches of ``batch_size`` rows; other lengths run on the model as compiled
-        rows = batch_size if type(batch_size) is int and batch_size > 0 else None  # NOTE: bad ones fail later
+        # NOTE: the step's session runs batches of ``batch_size`` rows; other lengths run on the model as compiled.
+        # Only for steps that epochs run one by one: a small step's epoch is one Scan run (its own session), its
+        # step session then runs the short last batch, and a second session would cost more than it saves
+        rows = batch_size if type(batch_size) is int and batch_size > 0 and (
+            self._cpu is None or self._size * batch_size >= SMALL_STEP) else None  # NOTE: bad sizes fail later
         fixed = _without_values(model, initial, self.train_step.inputs[0], rows) if rows else None
         self._fixed_rows, self._free, self._extra = (batch_size if fixed else None), stripped, {}
         self._providers = providers
