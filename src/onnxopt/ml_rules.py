@@ -163,20 +163,25 @@ def _feature_extractor_check(context, x, i, out, **_) -> MatchResult:
     ranked = (x.shape is not None and len(x.shape) >= 2) or (shape is not None and len(shape) >= 2 and shape[0] != 1)
     if dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or not ranked:
         return result.fail("ArrayFeatureExtractor: only float data of rank >= 2 is lowered")
-    values = i.const_value
-    if values is None and i.producer() is not None and i.producer().op_type == "Constant":
-        values = i.producer().attributes["value"].value if "value" in i.producer().attributes else None
-    if values is None or values.numpy().ndim > 1:
+    values = _indices(i)
+    if values is None or values.ndim > 1:
         return result.fail("ArrayFeatureExtractor: only a constant index or vector of indices is lowered")
     return result
+
+
+def _indices(i: ir.Value) -> np.ndarray | None:
+    """The value of the constant ``i`` (an initializer or a Constant node's tensor), else None."""
+    tensor, node = i.const_value, i.producer()
+    if tensor is None and node is not None and node.op_type == "Constant" and "value" in node.attributes:
+        tensor = node.attributes["value"].value
+    return None if tensor is None else tensor.numpy()
 
 
 def _feature_extractor_lowered(op, x, i, out):
     index = op.Reshape(op.Cast(i, to=ir.DataType.INT64), op.Constant(value_ints=[-1]))  # NOTE: a scalar keeps its axis
     picked = op.Gather(x, index, axis=-1)
-    values = i.const_value if i.const_value is not None else i.producer().attributes["value"].value
     if out.shape is not None and len(out.shape) == 2:  # NOTE: skl2onnx declares RidgeClassifier's one column as 2
-        _RESHAPED.append((picked, ir.Shape([out.shape[0], values.numpy().size])))
+        _RESHAPED.append((picked, ir.Shape([out.shape[0], _indices(i).size])))
     return picked
 
 
