@@ -131,11 +131,12 @@ def _sum(c):
 @rule("Mul", family=F)
 def _mul(c):
     """da = dy·b, db = dy·a."""
-    dy, a, b = c.go(0), c.I(0), c.I(1)
+    a, b = c.I(0), c.I(1)
     if a is b:  # NOTE: a square: 2·a·dy in two kernels, where two parts and their sum take three
-        return [c.Mul(dy, c.Add(a, a)), None]
-    return [c.unbroadcast(c.Mul(dy, b), 0) if c.need(0) else None,
-            c.unbroadcast(c.Mul(dy, a), 1) if c.need(1) else None]
+        dy = c.go_against(0, a)
+        return [c.Mul(a, c.Add(dy, dy)) if dy is not c.GO(0) else c.Mul(dy, c.Add(a, a)), None]
+    return [c.unbroadcast(c.Mul(c.go_against(0, b), b), 0) if c.need(0) else None,
+            c.unbroadcast(c.Mul(c.go_against(0, a), a), 1) if c.need(1) else None]
 
 
 @rule("Div", family=F)

@@ -145,6 +145,17 @@ class Ctx(_Op):
         g = self.GO(i)
         return g if g is not None else self.Expand(self.const(0.0, self.O(i)), self.Shape(self.O(i)))
 
+    def go_against(self, i: int, other: ir.Value) -> ir.Value:
+        """``go(i)``, or the smaller value it only Expands when ``other`` has output i's shape: an elementwise
+        op of the two then broadcasts it, without writing the copy (a reduction's gradient, BatchNorm's)."""
+        g = self.go(i)
+        small = _expanded(g)
+        if small is None:
+            return g
+        full, out = self.static_dims(other), self.static_dims(self.O(i))
+        known = full is not None and all(isinstance(d, int) or getattr(d, "value", None) is not None for d in full)
+        return small if known and full == out else g
+
     def need(self, i: int) -> bool:
         return i in self._need
 
