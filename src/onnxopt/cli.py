@@ -59,8 +59,9 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
 
 def _add_training_options(p: argparse.ArgumentParser, update: str = "sgd", lr: float = 1e-2) -> None:
     p.add_argument("--loss", default="auto",
-                   help=f"loss, {SPEC_HELP}; auto: cross_entropy on the probabilities of a classifier converted by "
-                        "skl2onnx (an int64 or string label output), else square")
+                   help=f"loss, {SPEC_HELP}; auto: for a classifier converted by skl2onnx (an int64 or string "
+                        "label output), the cross-entropy of its scores or probabilities (the log loss for one "
+                        "column); else square")
     p.add_argument("--loss-output", default=None,
                    help="the model already outputs its loss under this name (no --loss then)")
     p.add_argument("--update", default=update, help=f"update rule, {SPEC_HELP}")
@@ -475,7 +476,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_training_options(comp, update="adam", lr=3e-3)  # NOTE: fit's defaults, for a step fit trains elsewhere
     comp.set_defaults(func=_compile)
 
-    fit = sub.add_parser("fit", formatter_class=_Formatter, help="train a model on .npz or .csv data",
+    fit = sub.add_parser("fit", formatter_class=_Formatter, help="train a model on .npz, .csv or Parquet data",
                          description="Train MODEL on DATA: a .npz with arrays X and y, a .csv with a header "
                                      "(every column but --target is a feature), or a Parquet file or folder, "
                                      "streamed with bounded memory (--target, --features name its columns).",
@@ -506,9 +507,9 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--features", default=None, help="comma-separated feature columns of a Parquet DATA "
                      "(default: every column but --target)")
     fit.add_argument("--workers", type=int, default=1, help="local ranks training data-parallel on "
-                     "torch.distributed (gloo); --batch-size stays the global batch (default: 1)")
+                     "torch.distributed (gloo); --batch-size stays the global batch")
     fit.add_argument("--timeout", type=float, default=300.0,
-                     help="seconds a rank waits for the others before stopping with an error (default: 300)")
+                     help="seconds a rank waits for the others before stopping with an error")
     _add_training_options(fit, update="adam", lr=3e-3)
     fit.set_defaults(func=_fit)
 
