@@ -26,6 +26,8 @@ the ZipMap's output name (``output_probability``), shape (N, classes) instead of
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -185,6 +187,7 @@ def _feature_extractor_lowered(op, x, i, out):
     return picked
 
 
+_RESHAPING = threading.Lock()
 _RESHAPED: list[tuple[ir.Value, ir.Shape]] = []  # NOTE: shapes set once the rewriter has given the outputs the old
 
 
@@ -287,11 +290,12 @@ def lower_ml_ops(model: ir.Model) -> ir.Model:
     """Applies ``ml_rules`` in place when the graph holds one of their ``ai.onnx.ml`` ops, then ties
     skl2onnx's binary score columns (``_tie_binary_columns``); returns ``model``."""
     if any(n.domain == ML_DOMAIN and n.op_type in _LOWERED for n in model.graph):
-        _RESHAPED.clear()
-        ml_rules.apply_to_model(model)
-        for value, shape in _RESHAPED:
-            value.shape = shape
-        _RESHAPED.clear()
+        with _RESHAPING:  # NOTE: _RESHAPED is shared: models lowered in two threads at once would swap shapes
+            _RESHAPED.clear()
+            ml_rules.apply_to_model(model)
+            for value, shape in _RESHAPED:
+                value.shape = shape
+            _RESHAPED.clear()
     _tie_binary_columns(model)
     return model
 
