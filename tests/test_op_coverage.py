@@ -158,6 +158,7 @@ CASES = [
     # NOTE: their outputs are float32 whatever the input: checked in float32
     Case("Normalizer", ["p:2,3"], {"norm": "L2"}, 1, ML, TensorProto.FLOAT),
     Case("Scaler", [X], {"offset": [0.1, 0.2, 0.3], "scale": [2.0, 0.5, 1.5]}, 1, ML, TensorProto.FLOAT),
+    Case("ArrayFeatureExtractor", [X, np.array([2, 0], I64)], {}, 1, ML, TensorProto.FLOAT),
 ]
 
 
