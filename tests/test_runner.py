@@ -174,3 +174,28 @@ def test_a_convolution_counts_its_work_per_image_position():
     assert step_work(big) == 432 * 32 * 32 + 16 and step_work(small) == 432 * 16 + 16
     assert onnxopt.Runner(big, batch_size=32)._opts.intra_op_num_threads == 0  # NOTE: 0: one thread per core
     assert onnxopt.Runner(small, batch_size=32)._opts.intra_op_num_threads == 1
+
+
+def test_a_model_exported_with_a_fixed_batch_says_so():
+    """torch.onnx.export without a dynamic batch axis fixes the input's first dimension: a batch of another
+    length is refused naming the fixed length and the export option, before Trainer trains anything."""
+    torch = pytest.importorskip("torch")
+    import io
+    import warnings
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.zeros(8, 4),), buf, dynamo=False, input_names=["x"])
+    model = onnx.load_from_string(buf.getvalue())
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(40, 4)).astype(np.float32), rng.normal(size=(40, 1)).astype(np.float32)
+    runner = onnxopt.Runner(onnxopt.compile_train_step(model, loss="square", update="sgd", learning_rate=0.1))
+    assert np.isfinite(runner.step(X[:8], y[:8]))
+    with pytest.raises(onnxopt.DataError, match=r"exactly 8 rows: .*input 'x' is fixed.*dynamic_shapes"):
+        runner.step(X[:32], y[:32])
+    assert runner.step_count == 1
+    with pytest.raises(onnxopt.ModelError, match=r"exactly 8 rows: .*input 'x' is fixed.*dynamic_shapes"):
+        onnxopt.Trainer(model, loss="square").fit(X, y)

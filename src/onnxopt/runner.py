@@ -62,6 +62,21 @@ def step_work(step: TrainStep, weights: Mapping[str, np.ndarray] | None = None) 
     return sum(a.size * (grid if name in conv else 1) for name, a in weights.items() if name in step.weights)
 
 
+FIXED_BATCH = ("the model takes batches of exactly {rows} rows: the first dimension of its input {name!r} is "
+               "fixed (torch.onnx.export fixes it without dynamic_shapes= or dynamic_axes=); export it with a "
+               "dynamic batch axis, e.g. dynamic_shapes={{'x': {{0: torch.export.Dim('batch')}}}}")
+
+
+def fixed_rows(step: TrainStep) -> int | None:
+    """The rows every batch must have when the step's input has a fixed first dimension (a model exported
+    without a dynamic batch axis), else None."""
+    x = next(i for i in step.model.graph.input if i.name == step.inputs[0])
+    t = x.type.tensor_type
+    if not t.HasField("shape") or not t.shape.dim or not t.shape.dim[0].HasField("dim_value"):
+        return None
+    return t.shape.dim[0].dim_value
+
+
 def default_session_options(n_parameters: int, batch_size: int = 32, spinning: bool = True) -> ort.SessionOptions:
     """Options for training graphs: one thread when a step does little work (``n_parameters`` × batch below 1M,
     where handing work to a second thread costs more than it saves; ``step_work`` counts a step's), ORT's
@@ -644,9 +659,12 @@ class Runner:
         names = [n for n in (self._x_name, self._y_name, self._w_name, self.train_step.output_grad) if n is not None]
         given = ", ".join(f"{n}{tuple(a.shape)} {a.dtype}" for n, a in zip(names, arrays))
         types = self._input_types
-        expected = ", ".join(f"{n}{[d.dim_param or d.dim_value for d in types[n].shape.dim]} "
+        expected = ", ".join(f"{n}{[d.dim_param or d.dim_value for d in types[n].shape.dim] if types[n].HasField('shape') else '(any shape)'} "
                              f"tensor({ir.DataType(types[n].elem_type).name.lower()})" for n in names)
         reason = exc if isinstance(exc, str) else f"onnxruntime refused it ({str(exc).splitlines()[0][:300]})"
+        rows = fixed_rows(self.train_step)
+        if rows is not None and arrays and np.ndim(arrays[0]) and len(arrays[0]) != rows:
+            reason += f"; {FIXED_BATCH.format(name=self._x_name, rows=rows)}"
         return DataError(f"batch: {reason}; expected {expected}, got {given}")
 
     @property

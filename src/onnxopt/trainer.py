@@ -29,7 +29,7 @@ from onnxopt.fuse import compile_train_step
 from onnxopt.loss_output import add_loss_output
 from onnxopt.modelio import load_model
 from onnxopt.resolve import resolve_loss
-from onnxopt.runner import Runner, default_session_options, step_work
+from onnxopt.runner import FIXED_BATCH, Runner, default_session_options, fixed_rows, step_work
 from onnxopt.scaling import fit_scaling
 from onnxopt.step import _KEY as STEP_KEY, TrainStep
 from onnxopt.tasks import choose_loss
@@ -162,6 +162,10 @@ class Trainer:
         if saved is not None and loss is not None and resolve_loss(loss).target != saved.target_kind:
             raise ModelError(f"loss: the saved step takes {saved.target_kind!r} targets, loss {loss!r} takes "
                              f"{resolve_loss(loss).target!r} ones; pass the loss the step was compiled with")
+        rows = fixed_rows(self.train_step_)
+        if rows is not None:  # NOTE: batches, the last one and validation rows would all need that length
+            raise ModelError(f"model: {FIXED_BATCH.format(name=self.train_step_.inputs[0], rows=rows)}; Trainer needs "
+                             f"batches of any length (Runner.step trains such a model on batches of {rows} rows)")
         self.runner_ = self._make_runner(streamed=stream.as_stream(X) is not None)
         self._loss = resolve_loss(loss) if loss is not None else None
         self._kind = _task(self._loss)
