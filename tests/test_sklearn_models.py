@@ -278,3 +278,25 @@ def test_a_shape_onnx_cannot_infer_trains_without_a_logged_traceback(data, caplo
         losses, _ = train(onnxopt.compile_train_step(onx, loss="square", update="sgd", learning_rate=0.05), X, 2 * y + 1)
     assert not [r for r in caplog.records if "Shape inference failed" in r.getMessage()]
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_a_pipeline_that_scales_itself_keeps_what_it_learnt(tmp_path):
+    """scale="auto" cannot fold its statistics into a pipeline starting with StandardScaler (no MatMul/Gemm
+    reads the input): the inputs stay raw, so the first loss is scikit-learn's; a resumed fit stays raw too."""
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    rng = np.random.default_rng(0)
+    X = (rng.normal(size=(200, 4)) * [1, 10, 100, 0.1] + [0, 5, -50, 1]).astype(np.float32)
+    y = (X[:, 0] + 0.1 * X[:, 1] + 0.01 * X[:, 2] > 0.5).astype(np.int64)
+    est = make_pipeline(StandardScaler(), LogisticRegression()).fit(X, y)
+    model = to_onnx(est, X[:1], options={id(est[-1]): {"zipmap": False}})
+    expected = log_loss(y, est.predict_proba(X))
+    params = dict(update="sgd", learning_rate=1e-9, validation_fraction=0.0, checkpoint_dir=str(tmp_path))
+    tr = onnxopt.Trainer(model, max_iter=1, **params).fit(X, y)
+    assert tr.scaling_ is None or tr.scaling_.x is None  # NOTE: the data's columns are far from unit scale
+    np.testing.assert_allclose(tr.train_losses_[0], expected, rtol=1e-4)
+    resumed = onnxopt.Trainer(model, max_iter=2, **params).fit(X, y)
+    assert resumed.n_iter_ == 2
+    proba = session(resumed.trained_model_).run(None, {"X": X})[1]
+    np.testing.assert_allclose(proba, est.predict_proba(X), atol=1e-4)

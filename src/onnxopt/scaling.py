@@ -7,7 +7,9 @@ regression targets on (y - mean) / std, with the statistics of the training data
   the input goes (through a Cast) into ``MatMul + Add`` or ``Gemm`` and the output comes (through Reshape,
   Identity or Cast) from one. The Trainer starts from the folded weights or the weights as they are, whichever
   has the lower loss on the training data: a fitted model keeps what it learnt, a freshly initialized one
-  (weights drawn for inputs of unit scale) keeps its initialization.
+  (weights drawn for inputs of unit scale) keeps its initialization. When the inputs cannot be folded (a
+  converted pipeline starting with its own scaler, a Conv), ``scale="auto"`` trains on scaled or raw inputs,
+  whichever gives the lower first loss.
 - ``Scaling.wrap`` puts Sub/Div before the model and Mul/Add after it: the exported model reads raw inputs and
   predicts raw targets.
 """
@@ -39,11 +41,16 @@ class Scaling:
             y = ((y - self.y[0].reshape(y.shape[1:] or ())) / self.y[1].reshape(y.shape[1:] or ())).astype(y.dtype)
         return X, y
 
-    def fold(self, model: ir.Model) -> dict[str, np.ndarray]:
+    def without_x(self) -> Scaling:
+        """The same scaling of the targets, the inputs left raw."""
+        return Scaling(None, self.y)
+
+    def fold(self, model: ir.Model) -> tuple[dict[str, np.ndarray], bool]:
         """Changes the initial weights of ``model`` so that it gives on scaled data what it gave on raw data;
-        returns the weights it changed, as they were."""
+        returns the weights it changed, as they were, and whether the inputs' scaling was folded."""
         g, before = model.graph, {}
-        if self.x is not None and (affine := _affine(_follow(g.inputs[0]), g)) is not None:
+        x_folded = self.x is not None and (affine := _affine(_follow(g.inputs[0]), g)) is not None
+        if x_folded:
             w, b, axis = affine
             raw = w.const_value.numpy()
             before.update({v.name: v.const_value.numpy() for v in (w, b)})
@@ -56,7 +63,7 @@ class Scaling:
             mean, std = (s.astype(w.const_value.dtype.numpy()) for s in self.y)
             _set(w, w.const_value.numpy() / (std[None, :] if axis == 0 else std[:, None]))
             _set(b, (b.const_value.numpy() - mean) / std)
-        return before
+        return before, x_folded
 
     def wrap(self, model: onnx.ModelProto, output: str) -> onnx.ModelProto:
         """``model`` (changed in place) reading raw inputs and writing raw ``output`` values."""

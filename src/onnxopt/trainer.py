@@ -135,7 +135,7 @@ class Trainer:
 
     def _initialize(self, X=None, y=None) -> None:
         saved = _saved_step(self.model)
-        self.scaling_, self._unfolded, model = None, {}, self.model
+        self.scaling_, self._unfolded, self._x_folded, model = None, {}, False, self.model
         # NOTE: a saved step's loss="auto" is read from the inference model it was compiled from
         inference = model if saved is None else onnx.ModelProto.FromString(saved.inference) if saved.inference else None
         self._chosen = loss, output = choose_loss(inference, self.loss, self.output)
@@ -148,7 +148,7 @@ class Trainer:
                 if x.shape is not None:  # NOTE: statistics of other columns must not be folded into the model
                     check_feature_shape(np.shape(X), [d if isinstance(d, int) else None for d in x.shape],
                                         getattr(self, "_columns", None))
-                self._unfolded = self.scaling_.fold(model)
+                self._unfolded, self._x_folded = self.scaling_.fold(model)
         kwargs = dict(loss=loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
                       weights=self.weights, output=output, loss_output=self.loss_output, mode=self.mode,
                       frozen=self.frozen, gradient=getattr(self, "gradient", None))
@@ -325,6 +325,9 @@ class Trainer:
             train, validate, n_batches = self._stream(data, stop)
         else:
             X, y, sw = self._validate(X, y, sample_weight, fit=True)
+            if self.scaling_ is not None and self.scaling_.x is not None and not getattr(self, "_x_folded", True) and \
+                    self.scale == "auto" and self.n_iter_ == 0:
+                self._scale_inputs_if_better(X, y, sw)
             if self.scaling_ is not None:
                 X, y = self.scaling_.transform(X, y)
             if self._unfolded and self.n_iter_ == 0:
@@ -357,6 +360,14 @@ class Trainer:
             if validate is not None and self._best[2] is not None:
                 self.runner_.set_weights(self._best[2])  # NOTE: scikit-learn keeps the best validation weights
             self.trained_model_ = self._export()
+
+    def _scale_inputs_if_better(self, X, y, sw) -> None:
+        """Leaves the inputs raw when the model, its input layer not folded (onnxopt.scaling), fits them better
+        raw than scaled: a converted pipeline that scales its inputs itself keeps what it learnt."""
+        scaled, target = self.scaling_.transform(X, y)
+        raw = self.scaling_.without_x()
+        if self._validation_loss(X, raw.transform(X, y)[1], sw) < self._validation_loss(scaled, target, sw):
+            self.scaling_, self._predictor = raw, None  # NOTE: the predictor wrapped the inputs' scaling
 
     def _start_from_better(self, X, y, sw) -> None:
         """Keeps the folded initial weights or the unfolded ones (see onnxopt.scaling), whichever fits X better."""
@@ -475,7 +486,8 @@ class Trainer:
             return
         os.makedirs(self.checkpoint_dir, exist_ok=True)
         meta = {"kind": _KIND, "n_iter": self.n_iter_, "seed": self._seed, "train_losses": self.train_losses_,
-                "validation_losses": self.validation_losses_, "best": list(self._best[:2]), "position": position}
+                "validation_losses": self.validation_losses_, "best": list(self._best[:2]), "position": position,
+                "scaled_x": self.scaling_ is not None and self.scaling_.x is not None}
         self.runner_.save_checkpoint(os.path.join(self.checkpoint_dir, _CHECKPOINT), meta)
 
     def _resume(self) -> None:
@@ -487,6 +499,8 @@ class Trainer:
         self.train_losses_, self.validation_losses_ = meta["train_losses"], meta["validation_losses"]
         self._best = (*meta["best"], None)
         self._position = meta.get("position")  # NOTE: a streamed epoch saved mid-way resumes there
+        if not meta.get("scaled_x", True) and self.scaling_ is not None:  # NOTE: as the first fit chose
+            self.scaling_, self._predictor = self.scaling_.without_x(), None
 
     # -- inference ---------------------------------------------------------------------------------------
     def _raw_predict(self, X) -> np.ndarray:
