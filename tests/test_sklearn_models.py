@@ -300,3 +300,13 @@ def test_a_pipeline_that_scales_itself_keeps_what_it_learnt(tmp_path):
     assert resumed.n_iter_ == 2
     proba = session(resumed.trained_model_).run(None, {"X": X})[1]
     np.testing.assert_allclose(proba, est.predict_proba(X), atol=1e-4)
+
+
+def test_compile_train_step_takes_the_auto_loss(data):
+    """loss="auto" in compile_train_step picks what Trainer picks: a LogisticRegression's first step gives
+    scikit-learn's log loss on its probabilities."""
+    X, _, yc = data
+    est = LogisticRegression().fit(X, yc)
+    step = onnxopt.compile_train_step(to_onnx(est, X[:1], options={id(est): {"zipmap": False}}), loss="auto")
+    loss = onnxopt.Runner(step).step(X, yc)
+    np.testing.assert_allclose(loss, log_loss(yc, est.predict_proba(X)), rtol=1e-5)

@@ -34,6 +34,7 @@ from onnxopt.passes.update import is_elementwise, multi_tensor, name_packs
 from onnxopt.rules import widen_float_constants
 from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
 from onnxopt.step import GRAD, NEW, STEP, TrainStep
+from onnxopt.tasks import choose_loss
 
 __all__ = ["compile_train_step", "select_output", "loss_graph", "apply_loss", "target_input"]
 
@@ -185,7 +186,8 @@ def compile_train_step(
     Args:
         model: the inference model (proto, ir.Model or path).
         loss: a loss name, a ``dsl.losses.X(...)`` or ``@dsl.loss`` declaration; None when the model already
-            outputs its loss, named by ``loss_output``.
+            outputs its loss, named by ``loss_output``; "auto" as ``Trainer``'s (``tasks.choose_loss``: the
+            cross-entropy of a converted classifier's scores or probabilities, else square).
         update: an update-rule name or declaration (``dsl.updates``, ``@dsl.update_rule``).
         penalty: None, a penalty name or declaration applied to every trained weight.
         learning_rate: a float (constant) or a schedule (``dsl.schedules``), computed in the graph.
@@ -208,6 +210,7 @@ def compile_train_step(
             (exporters drop ``padding_idx``); a penalty still moves them, as torch's weight decay does.
     """
     source = gradient_source(gradient)
+    loss, output = choose_loss(model, loss, output)
     portable = portable or not has_training_build()  # NOTE: stock onnxruntime runs standard ONNX only
     m = load_model(model)
     ties = tie_parameters(m, tie)
