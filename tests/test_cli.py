@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 
 import onnxopt
-from onnxopt.cli import main
+from onnxopt.cli import load_data, main
 from onnxopt.examples import linear_regression
 
 COEF = np.array([3.0, -2.0])
@@ -200,12 +200,16 @@ def test_wrong_arguments_exit_2_with_one_line(files, capsys, argv):
 
 @pytest.mark.parametrize("name,message", [("header.csv", "has a header and no data rows"),
                                           ("ragged.csv", "line 3 has 4 values, expected 3 like the header"),
-                                          ("text.csv", "line 3, column 'b': expected a number (every column but "
-                                                       "--target is a feature), got 'n/a'")])
+                                          ("text.csv", "line 3, column 'b': expected a number or True/False "
+                                                       "(every column but --target is a feature), got 'n/a'"),
+                                          ("missing.csv", "line 2, column 'a': expected a number or True/False "
+                                                          "(every column but --target is a feature), got a missing "
+                                                          "value (fill or drop it")])
 def test_csv_errors_name_the_row_and_counts(files, capsys, name, message):
     open("header.csv", "w").write("a,b,price\n")
     open("ragged.csv", "w").write("a,b,price\n1,2,3\n4,5,6,7\n")
     open("text.csv", "w").write("a,b,price\n1,2,3\n4,n/a,6\n")
+    open("missing.csv", "w").write("a,b,price\n,2,3\n4,5,6\n")  # NOTE: pandas writes NaN as nothing
     assert main(["fit", "model.onnx", name, "--target", "price", "-o", "t.onnx"]) == 2
     assert message in capsys.readouterr().err
 
@@ -298,3 +302,14 @@ def test_onnxruntime_failure_is_one_line_unless_asked(files, capsys, monkeypatch
     monkeypatch.setenv("ONNXOPT_TRACEBACK", "1")
     with pytest.raises(Fail):
         main(argv)
+
+
+def test_csv_boolean_features_read_as_parquet_reads_them(tmp_path, monkeypatch):
+    """pandas writes a bool column as True/False in a .csv and as booleans in Parquet: both read as 1/0."""
+    pd = pytest.importorskip("pandas")
+    monkeypatch.chdir(tmp_path)
+    frame = pd.DataFrame({"a": [1.5, -2.0, 0.25], "flag": [True, False, True], "price": [1.0, 2.0, 3.0]})
+    frame.to_csv("d.csv", index=False)
+    X, y = load_data("d.csv", "price")
+    np.testing.assert_array_equal(X, [[1.5, 1.0], [-2.0, 0.0], [0.25, 1.0]])
+    np.testing.assert_array_equal(y, [1.0, 2.0, 3.0])

@@ -183,18 +183,27 @@ def load_data(path: str, target: str | None) -> tuple[np.ndarray, np.ndarray]:
     col = header.index(target)
     features = [k for k in range(len(header)) if k != col]
     try:
-        X = np.array([[row[k] for k in features] for _, row in lines], dtype=np.float64)
+        X = np.array([[_number(row[k]) for k in features] for _, row in lines], dtype=np.float64)
     except ValueError:
         i, k, v = next((i, k, row[k]) for i, row in lines for k in features if not _is_number(row[k]))
-        raise DataError(f"DATA: {path!r} line {i}, column {header[k]!r}: expected a number (every column but "
-                        f"--target is a feature), got {v!r}") from None
+        what = "a missing value (fill or drop it, e.g. pandas' fillna/dropna)" if not v.strip() else repr(v)
+        raise DataError(f"DATA: {path!r} line {i}, column {header[k]!r}: expected a number or True/False (every "
+                        f"column but --target is a feature), got {what}") from None
     labels = [row[col].strip() for _, row in lines]  # NOTE: numbers, or a classifier's labels as they are
-    return X, np.array(labels, np.float64) if all(map(_is_number, labels)) else np.array(labels)
+    return X, np.array([_number(v) for v in labels], np.float64) if all(map(_is_number, labels)) else np.array(labels)
+
+
+_BOOLEANS = {"true": 1.0, "false": 0.0}  # NOTE: what pandas writes for a bool column (Parquet keeps it boolean)
+
+
+def _number(text: str) -> float:
+    """A CSV feature value: a number, or True/False as 1/0."""
+    return _BOOLEANS.get(text.strip().lower()) if text.strip().lower() in _BOOLEANS else float(text)
 
 
 def _is_number(text: str) -> bool:
     try:
-        float(text)
+        _number(text)
     except ValueError:
         return False
     return True
