@@ -310,3 +310,20 @@ def test_compile_train_step_takes_the_auto_loss(data):
     step = onnxopt.compile_train_step(to_onnx(est, X[:1], options={id(est): {"zipmap": False}}), loss="auto")
     loss = onnxopt.Runner(step).step(X, yc)
     np.testing.assert_allclose(loss, log_loss(yc, est.predict_proba(X)), rtol=1e-5)
+
+
+def test_a_loss_on_scores_read_from_probabilities_warns(data):
+    """cross_entropy (from logits) on skl2onnx's probabilities, Concat(1 - p, p) of a Sigmoid, trains a softmax of
+    probabilities: it warns and names the loss on probabilities; that loss and loss="auto" do not."""
+    X, _, yc = data
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        est = MLPClassifier(hidden_layer_sizes=(4,), max_iter=5, random_state=0).fit(X, yc)
+    model = to_onnx(est, X[:1], options={id(est): {"zipmap": False}})
+    with pytest.warns(UserWarning, match=r"'cross_entropy' applies its own softmax to output 'probabilities'.*"
+                                         r"Sigmoid node.*cross_entropy:from_logits=false"):
+        onnxopt.compile_train_step(model, loss="cross_entropy", output="probabilities")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        onnxopt.compile_train_step(model, loss="cross_entropy:from_logits=false", output="probabilities")
+        onnxopt.compile_train_step(model, loss="auto")

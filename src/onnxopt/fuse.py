@@ -10,6 +10,7 @@ Rewrites, in order, on the gradient graph from ``gradient.gradient_ir`` (forward
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,7 +21,8 @@ from onnxscript.optimizer import constant_folding
 from onnxopt import graphs
 from onnxopt.dsl.check import check_step_functions
 from onnxopt.dsl.core import Loss, Penalty, Schedule, UpdateRule
-from onnxopt.dsl.losses import flat_pair, weighted_mean, weighted_sum
+from onnxopt.dsl.losses import (cross_entropy_index, cross_entropy_onehot, flat_pair, log_logits, weighted_mean,
+                                weighted_sum)
 from onnxopt.errors import DslError, ModelError, WeightError
 from onnxopt.gradient import check_weights, gradient_ir, gradient_source, has_training_build
 from onnxopt.modelio import ModelLike, load_model, runtime_limits
@@ -154,6 +156,36 @@ def _clip(tape: ir.tape.Tape, grads: list[ir.Value], max_norm: float) -> list[ir
     return [tape.op("Mul", [g, coef]) for g in grads]
 
 
+# NOTE: what may follow a Softmax or Sigmoid in a probabilities output (skl2onnx: Concat(1 - p, p), Div by the sum)
+_TAIL = {"Identity", "Cast", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Concat", "Sub", "Div", "Abs", "ReduceSum",
+         "Mul", "Neg"}
+
+
+def _normalizer(y: ir.Value, depth: int = 6) -> ir.Node | None:
+    """The Softmax or Sigmoid node ``y`` comes from through at most ``depth`` ``_TAIL`` ops, else None."""
+    node = y.producer()
+    if node is None or depth == 0:
+        return None
+    if node.op_type in ("Softmax", "Sigmoid"):
+        return node
+    if node.op_type not in _TAIL:
+        return None
+    return next((found for v in node.inputs if v is not None and (found := _normalizer(v, depth - 1))), None)
+
+
+def _warn_if_normalized_twice(loss: Loss | None, y: ir.Value) -> None:
+    """Warns when a loss on raw scores (it applies its own softmax or sigmoid) reads an output that a Softmax or
+    Sigmoid already normalized: trained as asked, but almost always meant on probabilities."""
+    if loss is None or loss.fn not in (log_logits, cross_entropy_index, cross_entropy_onehot):
+        return
+    node = _normalizer(y)
+    if node is not None:
+        warnings.warn(f"loss: {loss.name!r} applies its own {'sigmoid' if loss.name == 'log' else 'softmax'} to "
+                      f"output {y.name!r}, which {node.op_type} node {node.name!r} already normalizes; expected "
+                      f"scores, or '{loss.name}:from_logits=false' (loss='auto') to train on probabilities",
+                      UserWarning, stacklevel=3)
+
+
 def _external_grad(g: ir.Graph, y: ir.Value) -> ir.Value:
     """Renames the output-gradient input ``<y>.grad``; returns the data part of the loss, zero: the caller
     computes it (the step's ``loss`` is then the penalty alone)."""
@@ -225,6 +257,7 @@ def compile_train_step(
                        f"got {loss!r}")
     by_output = loss_decl is not None or external_grad
     y = select_output(m, output if by_output else loss_output, "output" if by_output else "loss_output")
+    _warn_if_normalized_twice(loss_decl, y)
     _keep_only(m, y)
     stats = apply_mode(m, mode)  # NOTE: after _keep_only, whose unused-output removal would drop Dropout's mask
     carried = [s.name for s in stats if weights is not None and s.name in weights]
