@@ -327,3 +327,20 @@ def test_a_loss_on_scores_read_from_probabilities_warns(data):
         warnings.simplefilter("error", UserWarning)
         onnxopt.compile_train_step(model, loss="cross_entropy:from_logits=false", output="probabilities")
         onnxopt.compile_train_step(model, loss="auto")
+
+
+@pytest.mark.parametrize("make", ["pca", "pca_whiten", "svd"])
+def test_a_decomposition_before_the_estimator_is_not_trained(data, make):
+    """PCA's or TruncatedSVD's components (and whitening variances) are a transformer's fitted statistics: only
+    the estimator after them trains, from scikit-learn's loss."""
+    from sklearn.decomposition import PCA, TruncatedSVD
+    from sklearn.pipeline import make_pipeline
+
+    X, y, _ = data
+    first = {"pca": PCA(3), "pca_whiten": PCA(3, whiten=True), "svd": TruncatedSVD(2)}[make]
+    est = make_pipeline(first, LinearRegression()).fit(X, y)
+    model = to_onnx(est, X[:1])
+    assert sorted(onnxopt.train_initializers(model)) == ["LinearRegressor_coef", "LinearRegressor_intercept"]
+    step = onnxopt.compile_train_step(model, loss="square", learning_rate=1e-9)
+    loss = onnxopt.Runner(step).step(X, y.reshape(-1, 1))
+    np.testing.assert_allclose(loss, np.mean((est.predict(X) - y) ** 2), rtol=1e-4)

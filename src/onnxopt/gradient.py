@@ -102,10 +102,27 @@ def _preprocessing_constants(m: ir.Model) -> set[str]:
         consts = [v for v in inputs if v not in features]
         if node.op_type in _PASS_THROUGH and node.inputs[0] in features:
             features.update(node.outputs)
-        elif node.op_type in _FEATURE_WISE and all(v.is_initializer() for v in consts):
+        elif node.op_type in _FEATURE_WISE and all(v.is_initializer() or _projection(v) for v in consts):
             features.update(node.outputs)
-            found.update(v.name for v in consts)
+            found.update(v.name for v in consts if v.is_initializer())
+            found.update(_projection(v).name for v in consts if _projection(v) is not None)
+        elif node.op_type == "MatMul" and node.inputs[0] in features and _projection(node.inputs[1]) is not None:
+            features.update(node.outputs)  # NOTE: PCA's or TruncatedSVD's components, then what reads them
+            found.add(node.inputs[1].name)
     return found
+
+
+# NOTE: skl2onnx's decomposition converters (PCA, IncrementalPCA, TruncatedSVD) name their components and
+# whitening variances so; a pipeline's estimator comes after them
+_DECOMPOSITION = ("transform_matrix", "explained_variance")
+
+
+def _projection(v: ir.Value) -> ir.Value | None:
+    """The decomposition initializer ``v`` is, or is the Sqrt of (PCA's whitening), else None."""
+    node = v.producer()
+    if node is not None and node.op_type == "Sqrt":
+        v = node.inputs[0]
+    return v if v.is_initializer() and v.name.rstrip("0123456789") in _DECOMPOSITION else None
 
 
 def _weight_names(m: ir.Model) -> list[str]:
@@ -124,7 +141,8 @@ def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
     RNN initial states, 0-d scalars, tensors holding an infinite or NaN value (attention masks), constants the
     dynamo exporter folded from its temporaries, one-element ±1 constants read only as ``1 - x`` or ``x·(±1)``,
     and in skl2onnx models the constants of feature-wise Sub/Div/Mul/Add on the raw inputs (scalers'
-    statistics) when weights follow them; pass ``weights=`` to train those (see docs/modes.md).
+    statistics) and a decomposition's components (PCA, TruncatedSVD) when weights follow them; pass
+    ``weights=`` to train those (see docs/modes.md).
 
     >>> from onnxopt.examples import linear_regression
     >>> sorted(train_initializers(linear_regression(3)))
