@@ -366,6 +366,9 @@ def build_gradient(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = 
     if source == "onnxopt":
         from onnxopt.autodiff import differentiate
 
+        # NOTE: an exporter's repeated constants and shape computations merged before the rules and every pass
+        # after them walk them (T1: 147 nodes); the builder's forward graph comes back without them too
+        passes.CommonSubexpressionEliminationPass()(m)
         return differentiate(m, weights, inputs)
     proto = ir.to_proto(m)
     try:
