@@ -344,3 +344,17 @@ def test_a_decomposition_before_the_estimator_is_not_trained(data, make):
     step = onnxopt.compile_train_step(model, loss="square", learning_rate=1e-9)
     loss = onnxopt.Runner(step).step(X, y.reshape(-1, 1))
     np.testing.assert_allclose(loss, np.mean((est.predict(X) - y) ** 2), rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["regressor", "classifier"])
+def test_nearest_neighbours_have_nothing_to_train(data, kind):
+    """skl2onnx's KNeighbors* keep the training set (distances in a Scan, targets looked up by computed
+    indices): data, not parameters; compiling says so instead of failing on one of them."""
+    from sklearn.neighbors import KNeighborsClassifier, KNeighborsRegressor
+
+    X, y, yc = data
+    est = KNeighborsRegressor(3).fit(X, y) if kind == "regressor" else KNeighborsClassifier(3).fit(X, yc)
+    model = to_onnx(est, X[:1], options={id(est): {"zipmap": False}} if kind == "classifier" else None)
+    assert onnxopt.train_initializers(model) == {}
+    with pytest.raises(onnxopt.WeightError, match=r"no float initializer to train.*hold stored data.*nearest"):
+        onnxopt.compile_train_step(model, loss="square" if kind == "regressor" else "auto")

@@ -112,6 +112,20 @@ def _preprocessing_constants(m: ir.Model) -> set[str]:
     return found
 
 
+def _stored_data(m: ir.Model) -> set[str]:
+    """skl2onnx models: initializers read only as a Scan's input or looked up by computed indices
+    (``ArrayFeatureExtractor``): nearest neighbours' training samples and targets, data rather than parameters."""
+    if m.producer_name != "skl2onnx":
+        return set()
+
+    def lookup(node: ir.Node, idx: int) -> bool:
+        return node.op_type == "Scan" or (node.op_type == "ArrayFeatureExtractor" and idx == 0
+                                          and node.inputs[1].const_value is None)
+
+    return {name for name, v in m.graph.initializers.items()
+            if v.uses() and all(lookup(node, idx) for node, idx in v.uses())}
+
+
 # NOTE: skl2onnx's decomposition converters (PCA, IncrementalPCA, TruncatedSVD) name their components and
 # whitening variances so; a pipeline's estimator comes after them
 _DECOMPOSITION = ("transform_matrix", "explained_variance")
@@ -127,7 +141,8 @@ def _projection(v: ir.Value) -> ir.Value | None:
 
 def _weight_names(m: ir.Model) -> list[str]:
     computed = {v.name for node in m.graph for v in node.outputs} | {v.name for v in m.graph.inputs}
-    weights = [name for name, v in m.graph.initializers.items() if _is_weight(v, computed)]
+    tables = _stored_data(m)
+    weights = [name for name, v in m.graph.initializers.items() if _is_weight(v, computed) and name not in tables]
     # NOTE: statistics of a transformer only in front of an estimator's coefficients: a model that is nothing
     # but X + c (onnxcustom's tests) trains c
     skip = _preprocessing_constants(m)
@@ -173,8 +188,11 @@ def check_weights(m: ir.Model, weights: Sequence[str] | None, frozen: Sequence[s
                               f"weight not frozen, the model has {_weight_names(m)})")
         if not found:
             have = {n: v.dtype.name for n, v in inits.items() if v.dtype is not None}
+            tables = sorted(_stored_data(m))
+            data = f"; {tables} hold stored data (a Scan's input, rows looked up by computed indices: nearest " \
+                   "neighbours keep their training set), not parameters" if tables else ""
             raise WeightError("weights: the model has no float initializer to train (expected at least one float "
-                              f"tensor read as a weight, got initializers {have or 'none'})")
+                              f"tensor read as a weight, got initializers {have or 'none'}{data})")
         return found
     if isinstance(weights, str):
         weights = [weights]
