@@ -102,7 +102,8 @@ def _preprocessing_constants(m: ir.Model) -> set[str]:
         consts = [v for v in inputs if v not in features]
         if node.op_type in _PASS_THROUGH and node.inputs[0] in features:
             features.update(node.outputs)
-        elif node.op_type in _FEATURE_WISE and all(v.is_initializer() or _projection(v) for v in consts):
+        elif node.op_type in _FEATURE_WISE and all((v.is_initializer() and _per_feature(v, m)) or _projection(v)
+                                                   for v in consts):
             features.update(node.outputs)
             found.update(v.name for v in consts if v.is_initializer())
             found.update(_projection(v).name for v in consts if _projection(v) is not None)
@@ -124,6 +125,15 @@ def _stored_data(m: ir.Model) -> set[str]:
 
     return {name for name, v in m.graph.initializers.items()
             if v.uses() and all(lookup(node, idx) for node, idx in v.uses())}
+
+
+def _per_feature(v: ir.Value, m: ir.Model) -> bool:
+    """Whether the constant ``v`` holds one value, or one per input feature (a scaler's), not more (GaussianNB's
+    per-class means, which broadcast the features to a class axis)."""
+    x = m.graph.inputs[0] if m.graph.inputs else None
+    width = x.shape[-1] if x is not None and x.shape is not None and x.shape.rank() else None
+    size = v.const_value.size if v.const_value is not None else None
+    return size is not None and (size == 1 or size == width)
 
 
 # NOTE: skl2onnx's decomposition converters (PCA, IncrementalPCA, TruncatedSVD) name their components and
