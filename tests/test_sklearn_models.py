@@ -344,3 +344,40 @@ def test_a_decomposition_before_the_estimator_is_not_trained(data, make):
     step = onnxopt.compile_train_step(model, loss="square", learning_rate=1e-9)
     loss = onnxopt.Runner(step).step(X, y.reshape(-1, 1))
     np.testing.assert_allclose(loss, np.mean((est.predict(X) - y) ** 2), rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["regressor", "classifier"])
+def test_nearest_neighbours_have_nothing_to_train(data, kind):
+    """skl2onnx's KNeighbors* keep the training set (distances in a Scan, targets looked up by computed
+    indices): data, not parameters; compiling says so instead of failing on one of them."""
+    from sklearn.neighbors import KNeighborsClassifier, KNeighborsRegressor
+
+    X, y, yc = data
+    est = KNeighborsRegressor(3).fit(X, y) if kind == "regressor" else KNeighborsClassifier(3).fit(X, yc)
+    model = to_onnx(est, X[:1], options={id(est): {"zipmap": False}} if kind == "classifier" else None)
+    assert onnxopt.train_initializers(model) == {}
+    with pytest.raises(onnxopt.WeightError, match=r"no float initializer to train.*hold stored data.*nearest"):
+        onnxopt.compile_train_step(model, loss="square" if kind == "regressor" else "auto")
+
+
+def test_gaussian_nb_trains_its_means_variances_and_priors(data):
+    """GaussianNB's parameters are theta, the variances and the log priors; skl2onnx's stored normalizer
+    -½·Σ log(2π·σ²) is computed from the variances, so the trained model is still a Gaussian naive Bayes."""
+    from sklearn.naive_bayes import GaussianNB
+
+    X, _, yc = data
+    est = GaussianNB().fit(X, yc)
+    model = to_onnx(est, X[:1], options={id(est): {"zipmap": False}})
+    assert sorted(onnxopt.train_initializers(model)) == ["jointi", "sigma", "theta"]
+    runner = onnxopt.Runner(onnxopt.compile_train_step(model, loss="auto", learning_rate=0.05))
+    np.testing.assert_allclose(runner.step(X, yc), log_loss(yc, est.predict_proba(X)), rtol=1e-5)
+    for _ in range(5):
+        runner.step(X, yc)
+    w = {k: v.astype(np.float64) for k, v in runner.get_weights().items()}
+    theta, var, prior = w["theta"][0], w["sigma"][0], w["jointi"][0]
+    jll = prior - 0.5 * np.log(2 * np.pi * var).sum(axis=1) - 0.5 * (((X[:, None, :] - theta) ** 2) / var).sum(axis=2)
+    expected = np.exp(jll - jll.max(axis=1, keepdims=True))
+    expected /= expected.sum(axis=1, keepdims=True)
+    proba = session(runner.export()).run(None, {"X": X})[1]
+    assert not np.allclose(var, est.var_)  # NOTE: the variances moved: a stale normalizer would show
+    np.testing.assert_allclose(proba, expected, atol=1e-5)

@@ -102,7 +102,8 @@ def _preprocessing_constants(m: ir.Model) -> set[str]:
         consts = [v for v in inputs if v not in features]
         if node.op_type in _PASS_THROUGH and node.inputs[0] in features:
             features.update(node.outputs)
-        elif node.op_type in _FEATURE_WISE and all(v.is_initializer() or _projection(v) for v in consts):
+        elif node.op_type in _FEATURE_WISE and all((v.is_initializer() and _per_feature(v, m)) or _projection(v)
+                                                   for v in consts):
             features.update(node.outputs)
             found.update(v.name for v in consts if v.is_initializer())
             found.update(_projection(v).name for v in consts if _projection(v) is not None)
@@ -110,6 +111,29 @@ def _preprocessing_constants(m: ir.Model) -> set[str]:
             features.update(node.outputs)  # NOTE: PCA's or TruncatedSVD's components, then what reads them
             found.add(node.inputs[1].name)
     return found
+
+
+def _stored_data(m: ir.Model) -> set[str]:
+    """skl2onnx models: initializers read only as a Scan's input or looked up by computed indices
+    (``ArrayFeatureExtractor``): nearest neighbours' training samples and targets, data rather than parameters."""
+    if m.producer_name != "skl2onnx":
+        return set()
+
+    def lookup(node: ir.Node, idx: int) -> bool:
+        return node.op_type == "Scan" or (node.op_type == "ArrayFeatureExtractor" and idx == 0
+                                          and node.inputs[1].const_value is None)
+
+    return {name for name, v in m.graph.initializers.items()
+            if v.uses() and all(lookup(node, idx) for node, idx in v.uses())}
+
+
+def _per_feature(v: ir.Value, m: ir.Model) -> bool:
+    """Whether the constant ``v`` holds one value, or one per input feature (a scaler's), not more (GaussianNB's
+    per-class means, which broadcast the features to a class axis)."""
+    x = m.graph.inputs[0] if m.graph.inputs else None
+    width = x.shape[-1] if x is not None and x.shape is not None and x.shape.rank() else None
+    size = v.const_value.size if v.const_value is not None else None
+    return size is not None and (size == 1 or size == width)
 
 
 # NOTE: skl2onnx's decomposition converters (PCA, IncrementalPCA, TruncatedSVD) name their components and
@@ -127,7 +151,8 @@ def _projection(v: ir.Value) -> ir.Value | None:
 
 def _weight_names(m: ir.Model) -> list[str]:
     computed = {v.name for node in m.graph for v in node.outputs} | {v.name for v in m.graph.inputs}
-    weights = [name for name, v in m.graph.initializers.items() if _is_weight(v, computed)]
+    tables = _stored_data(m)
+    weights = [name for name, v in m.graph.initializers.items() if _is_weight(v, computed) and name not in tables]
     # NOTE: statistics of a transformer only in front of an estimator's coefficients: a model that is nothing
     # but X + c (onnxcustom's tests) trains c
     skip = _preprocessing_constants(m)
@@ -173,8 +198,11 @@ def check_weights(m: ir.Model, weights: Sequence[str] | None, frozen: Sequence[s
                               f"weight not frozen, the model has {_weight_names(m)})")
         if not found:
             have = {n: v.dtype.name for n, v in inits.items() if v.dtype is not None}
+            tables = sorted(_stored_data(m))
+            data = f"; {tables} hold stored data (a Scan's input, rows looked up by computed indices: nearest " \
+                   "neighbours keep their training set), not parameters" if tables else ""
             raise WeightError("weights: the model has no float initializer to train (expected at least one float "
-                              f"tensor read as a weight, got initializers {have or 'none'})")
+                              f"tensor read as a weight, got initializers {have or 'none'}{data})")
         return found
     if isinstance(weights, str):
         weights = [weights]

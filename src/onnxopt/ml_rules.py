@@ -299,6 +299,7 @@ def lower_ml_ops(model: ir.Model) -> ir.Model:
                 value.shape = shape
             _RESHAPED.clear()
     _tie_binary_columns(model)
+    _derive_log_normalizer(model)
     return model
 
 
@@ -347,3 +348,33 @@ def _tie_binary_columns(model: ir.Model) -> None:
             continue
         _tie(model.graph, node, 1)
         _tie(model.graph, add, bias)
+
+
+def _derive_log_normalizer(model: ir.Model) -> None:
+    """skl2onnx writes GaussianNB's per-class ``-½·Σ log(2π·σ²)`` as its own initializer (``sigma_sum_log``)
+    next to the variances (``sigma``): it is computed from them in the graph instead, so that training the
+    variances moves it (a free copy would be another model, its normalizer stale)."""
+    if model.producer_name != "skl2onnx":
+        return
+    inits = model.graph.initializers
+    for name in [n for n in inits if n.rstrip("0123456789") == "sigma_sum_log"]:
+        value, sigma = inits[name], inits.get("sigma" + name[len("sigma_sum_log"):])
+        if sigma is None or value.const_value is None or sigma.const_value is None:
+            continue
+        var = sigma.const_value.numpy()
+        derived = -0.5 * np.log(2 * np.pi * var.astype(np.float64)).sum(axis=-1)
+        if var.ndim < 2 or derived.shape != value.const_value.numpy().shape or \
+                not np.allclose(derived, value.const_value.numpy(), rtol=1e-5, atol=1e-6):
+            continue
+        inits.pop(name)
+        value.const_value = None
+        tape = ir.tape.Tape()
+        two_pi = tape.op("Constant", [], {"value": ir.tensor(np.array(2 * np.pi, var.dtype))})
+        minus_half = tape.op("Constant", [], {"value": ir.tensor(np.array(-0.5, var.dtype))})
+        total = tape.op("ReduceSum", [tape.op("Log", [tape.op("Mul", [sigma, two_pi])]),
+                                      tape.op("Constant", [], {"value": ir.tensor(np.array([-1], np.int64))})],
+                        {"keepdims": 0})
+        out = tape.op("Mul", [total, minus_half])
+        model.graph.insert_before(next(n for n, _ in value.uses()), tape.nodes)
+        ir.convenience.replace_all_uses_with(value, out)
+        out.name = name
