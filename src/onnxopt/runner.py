@@ -25,7 +25,7 @@ import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
 from onnxopt.data import as_array, check_batch_size, check_class_indices
-from onnxopt.errors import CheckpointError, ConvergenceError, DataError, NotDifferentiableError
+from onnxopt.errors import CheckpointError, ConvergenceError, DataError, ModelError, NotDifferentiableError
 from onnxopt.passes.batch import (drop_same_shape_reshapes, hoist, masked_relu_grads, row_sum_updates, shaped_target,
                                   summed_rows)
 from onnxopt.passes.epoch import CHECK, COUNT, LAST, PREFIX, epoch_model, scannable
@@ -197,6 +197,20 @@ def _missing_kernel(exc: Exception, model: onnx.ModelProto, device: str) -> NotD
         f"(for Resize: constant scales or sizes on static axes), change the model to one of them", [(op, name)])
 
 
+def _contradicted_shapes(exc: Exception) -> ModelError | None:
+    """onnxruntime's shape inference refusing the step: a model whose declared output or value shapes its own
+    graph contradicts (skl2onnx's multilabel MLPClassifier declares (N, labels) probabilities and computes
+    (N, 2·labels)), as an error saying so instead of onnxruntime's bare ``Fail``."""
+    text = str(exc)
+    if "ShapeInferenceError" not in text:
+        return None
+    return ModelError(f"model: onnxruntime cannot load the training step: {text.strip()}; the model's declared "
+                      f"shapes (of its outputs or values) contradict what its nodes compute, check them with "
+                      f"onnx.shape_inference.infer_shapes(model, strict_mode=True) (skl2onnx's multilabel "
+                      f"MLPClassifier is one such model: its probabilities are declared (N, labels) and computed "
+                      f"(N, 2·labels))")
+
+
 def _locked(method: Callable) -> Callable:
     """``method`` run holding the runner's lock: threads sharing a runner take turns, each step whole."""
     @functools.wraps(method)
@@ -266,7 +280,7 @@ class Runner:
                 self.session = ort.InferenceSession(stripped, opts, providers=providers,
                                                     disabled_optimizers=KEEP_DROPOUT)
         except Exception as exc:
-            raise _missing_kernel(exc, self.train_step.model, device) or exc
+            raise _missing_kernel(exc, self.train_step.model, device) or _contradicted_shapes(exc) or exc
         # NOTE: as the step declares them (the session's target and sample weights may be specialized, cpu_model)
         self._input_types = {i.name: i.type.tensor_type for i in self.train_step.model.graph.input}
         self._carried = [*self.train_step.weights, *self.train_step.buffers, *self.train_step.state]
