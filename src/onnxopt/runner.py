@@ -197,6 +197,13 @@ def _missing_kernel(exc: Exception, model: onnx.ModelProto, device: str) -> NotD
         f"(for Resize: constant scales or sizes on static axes), change the model to one of them", [(op, name)])
 
 
+def several_inputs(names: list[str]) -> ModelError:
+    """The error for a model with more than one data input: Runner, Trainer and the CLI feed one."""
+    return ModelError(f"model: it reads {len(names)} data inputs {list(names)}; Runner, Trainer and onnxopt fit feed "
+                      f"one (X): export the model with its inputs in one tensor (concatenate them and split them in "
+                      f"forward), or run the compiled step.model in an onnxruntime session that feeds every input")
+
+
 def _contradicted_shapes(exc: Exception) -> ModelError | None:
     """onnxruntime's shape inference refusing the step: a model whose declared output or value shapes its own
     graph contradicts (skl2onnx's multilabel MLPClassifier declares (N, labels) probabilities and computes
@@ -234,6 +241,8 @@ class Runner:
                  session_options: ort.SessionOptions | None = None, batch_size: int = 32):
         self._lock = threading.RLock()  # NOTE: reentrant: epoch calls step, save_checkpoint get_weights
         self.train_step = step if isinstance(step, TrainStep) else TrainStep.load(step)
+        if len(self.train_step.inputs) > 1:  # NOTE: step() feeds X to inputs[0]; the others would be missing
+            raise several_inputs(self.train_step.inputs)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
         self.device = device
