@@ -161,8 +161,9 @@ def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
     indices, bounds, BatchNormalization statistics, Dropout ratios, Pow exponents, comparison operands or
     RNN initial states, 0-d scalars, tensors holding an infinite or NaN value (attention masks), constants the
     dynamo exporter folded from its temporaries, one-element ±1 constants read only as ``1 - x`` or ``x·(±1)``,
-    and in skl2onnx models the constants of feature-wise Sub/Div/Mul/Add on the raw inputs (scalers'
-    statistics) and a decomposition's components (PCA, TruncatedSVD) when weights follow them; pass
+    and in skl2onnx models the constants of feature-wise Sub/Div/Mul/Add on the raw inputs or columns of them
+    (scalers' statistics, a ColumnTransformer's), a decomposition's components (PCA, TruncatedSVD) and an
+    ensemble's voting weights when weights follow them; pass
     ``weights=`` to train those (see docs/modes.md).
 
     >>> from onnxopt.examples import linear_regression
