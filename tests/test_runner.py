@@ -199,3 +199,31 @@ def test_a_model_exported_with_a_fixed_batch_says_so():
     assert runner.step_count == 1
     with pytest.raises(onnxopt.ModelError, match=r"exactly 8 rows: .*input 'x' is fixed.*dynamic_shapes"):
         onnxopt.Trainer(model, loss="square").fit(X, y)
+
+
+def test_a_model_with_two_data_inputs_is_refused_by_name():
+    """Runner, Trainer and the CLI feed X to one input: a torch module of two tensors (a Siamese net) is refused
+    naming both inputs and the way out, before any step runs."""
+    torch = pytest.importorskip("torch")
+    import io
+    import warnings
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encode = torch.nn.Linear(4, 3)
+
+        def forward(self, a, b):
+            return (self.encode(a) - self.encode(b)).pow(2).sum(dim=1, keepdim=True)
+
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Pair(), (torch.zeros(2, 4), torch.zeros(2, 4)), buf, dynamo=False, input_names=["a", "b"],
+                          dynamic_axes={"a": {0: "N"}, "b": {0: "N"}})
+    model = onnx.load_from_string(buf.getvalue())
+    with pytest.raises(onnxopt.ModelError, match=r"2 data inputs \['a', 'b'\].*in one tensor"):
+        onnxopt.Runner(onnxopt.compile_train_step(model, loss="square"))
+    X, y = np.zeros((8, 4), np.float32), np.zeros((8, 1), np.float32)
+    with pytest.raises(onnxopt.ModelError, match=r"2 data inputs \['a', 'b'\]"):
+        onnxopt.Trainer(model, loss="square").fit(X, y)

@@ -381,3 +381,154 @@ def test_gaussian_nb_trains_its_means_variances_and_priors(data):
     proba = session(runner.export()).run(None, {"X": X})[1]
     assert not np.allclose(var, est.var_)  # NOTE: the variances moved: a stale normalizer would show
     np.testing.assert_allclose(proba, expected, atol=1e-5)
+
+
+# -- the second sweep: estimators and pipelines users hand over ----------------------------------------------
+
+
+def _sk_mse(est, X, y):
+    return float(np.mean((np.asarray(est.predict(X), np.float64).reshape(len(X), -1) - y.reshape(len(X), -1)) ** 2))
+
+
+def _gradient_against_finite_differences(model, estimators, X, y, loss_fn, rtol=1e-5):
+    """The float64 step's gradient of every weight against central differences of ``loss_fn()`` (scikit-learn's
+    loss) in the estimators' ``coef_`` / ``intercept_``; each weight located by value (``zoo.common.locate``)."""
+    from zoo.common import assert_gradients, assert_one_to_one, central_differences, first_step, locate
+
+    params = {f"{i}.{a}": np.atleast_1d(np.asarray(getattr(e, a), np.float64)).copy()
+              for i, e in enumerate(estimators) for a in ("coef_", "intercept_")}
+
+    def assign(flat):
+        start = 0
+        for key, p in params.items():
+            i, attr = key.split(".")
+            value = flat[start:start + p.size].reshape(p.shape)
+            setattr(estimators[int(i)], attr, value if np.ndim(getattr(estimators[int(i)], attr)) else value[0])
+            start += p.size
+
+    loss, grads, weights = first_step(model, "eval", X, y, loss="auto")
+    np.testing.assert_allclose(loss, loss_fn(), rtol=1e-9)
+    where = locate(params, onnxopt.train_initializers(model))
+    assert_one_to_one(where, params)
+    fd = central_differences(np.concatenate([p.ravel() for p in params.values()]), assign, loss_fn)
+    assert_gradients(grads, fd, where, rtol=rtol, atol=1e-7 * np.abs(fd).max())
+
+
+@pytest.mark.parametrize("make", ["poisson", "gamma", "tweedie"])
+def test_glm_regressors_train_the_squared_error_of_their_prediction(data, make):
+    """PoissonRegressor, GammaRegressor, TweedieRegressor(link='log'): skl2onnx writes exp(X·w + b); loss="auto"
+    trains its squared error (not the GLM's deviance), coef_ and intercept_ only."""
+    from sklearn.linear_model import GammaRegressor, PoissonRegressor, TweedieRegressor
+
+    X32, y32, _ = data
+    X, y = X32.astype(np.float64), np.exp(0.3 * y32.astype(np.float64)).reshape(-1, 1)
+    est = {"poisson": PoissonRegressor(), "gamma": GammaRegressor(),
+           "tweedie": TweedieRegressor(power=1.5, link="log")}[make].fit(X, y.ravel())
+    model = to_onnx(est, X[:1], target_opset=OPSET)
+    assert choose_loss(model, "auto", None)[0] == "square"
+    _gradient_against_finite_differences(model, [est], X, y, lambda: _sk_mse(est, X, y))
+
+
+def test_voting_regressor_trains_its_estimators_not_its_voting_weights(data):
+    """VotingRegressor's shares (skl2onnx's one-element w0, w1) are hyperparameters: each linear model's
+    coefficients train, from central differences of the ensemble's squared error."""
+    from sklearn.ensemble import VotingRegressor
+    from sklearn.linear_model import Ridge
+
+    X32, y32, _ = data
+    X, y = X32.astype(np.float64), y32.astype(np.float64).reshape(-1, 1)
+    # NOTE: weights as an array: skl2onnx 1.x calls weights.sum() (a list fails to convert)
+    est = VotingRegressor([("a", Ridge(alpha=50.0)), ("b", LinearRegression())], weights=np.array([2.0, 1.0]))
+    est.fit(X, y.ravel())
+    for dtype in (np.float32, np.float64):
+        model = to_onnx(est, X[:1].astype(dtype), target_opset=OPSET)
+        assert not [w for w in onnxopt.train_initializers(model) if w.startswith("w")]
+        assert len(onnxopt.train_initializers(model)) == 4
+    _gradient_against_finite_differences(model, est.estimators_, X, y, lambda: _sk_mse(est, X, y))
+
+
+def test_multi_output_ridge_trains_every_target(data):
+    from sklearn.linear_model import Ridge
+
+    X32, y32, _ = data
+    X, y = X32.astype(np.float64), np.c_[y32, 1 - 0.5 * y32].astype(np.float64)
+    est = Ridge(alpha=100.0).fit(X, y)
+    _gradient_against_finite_differences(to_onnx(est, X[:1], target_opset=OPSET), [est], X, y,
+                                         lambda: _sk_mse(est, X, y))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_column_transformer_s_scaler_is_not_trained(data, dtype):
+    """A ColumnTransformer scaling some columns and passing the others: the scaler's mean and scale (float64:
+    Sub/Div initializers behind a column Gather and a Concat) are statistics; Ridge's coefficients train."""
+    from sklearn.compose import ColumnTransformer
+    from sklearn.linear_model import Ridge
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    X32, y32, _ = data
+    X, y = X32.astype(dtype), y32.astype(dtype)
+    est = make_pipeline(ColumnTransformer([("s", StandardScaler(), [0, 1]), ("p", "passthrough", [2, 3])]),
+                        Ridge()).fit(X, y)
+    model = to_onnx(est, X[:1], target_opset=OPSET)
+    assert len(onnxopt.train_initializers(model)) == 2
+    step = onnxopt.compile_train_step(model, loss="auto", learning_rate=1e-9)
+    np.testing.assert_allclose(onnxopt.Runner(step).step(X, y.reshape(-1, 1)), _sk_mse(est, X, y), rtol=1e-4)
+
+
+@pytest.mark.parametrize("make", ["lasso", "huber", "ard", "lda3", "ovr3", "passive_aggressive"])
+def test_more_linear_estimators_start_from_scikit_learn_s_loss(data, make):
+    from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
+    from sklearn.linear_model import ARDRegression, HuberRegressor, Lasso, PassiveAggressiveClassifier
+    from sklearn.multiclass import OneVsRestClassifier
+
+    X, y, labels = data
+    y3 = np.digitize(y, np.quantile(y, [0.33, 0.66]))
+    est, target = {"lasso": (Lasso(0.1), y), "huber": (HuberRegressor(), y), "ard": (ARDRegression(), y),
+                   "lda3": (LinearDiscriminantAnalysis(), y3), "ovr3": (OneVsRestClassifier(LogisticRegression()), y3),
+                   "passive_aggressive": (PassiveAggressiveClassifier(max_iter=3, random_state=0), labels)}[make]
+    est = _fit(est, X, target)
+    model = to_onnx(est, X[:1], options={id(est): {"zipmap": False}} if hasattr(est, "classes_") else None,
+                    target_opset=OPSET)
+    loss, _ = choose_loss(model, "auto", None)
+    step = onnxopt.compile_train_step(model, loss="auto", update="sgd", learning_rate=0.1)
+    runner = onnxopt.Runner(step)
+    first = runner.step(X, target if hasattr(est, "classes_") else target.reshape(-1, 1))
+    if loss == "square":
+        expected = _sk_mse(est, X, target)
+    elif loss == "cross_entropy":  # NOTE: PassiveAggressiveClassifier's decision scores, (-s, s)
+        d = est.decision_function(X).astype(np.float64)
+        expected = np.mean(np.logaddexp(0, -2 * d * (2 * target - 1)))
+    else:
+        expected = log_loss(target, est.predict_proba(X))
+    np.testing.assert_allclose(first, expected, rtol=1e-4)
+    assert runner.step(X, target if hasattr(est, "classes_") else target.reshape(-1, 1)) < first
+
+
+def test_a_multilabel_classifier_is_refused_with_its_reason(data):
+    """skl2onnx writes a multilabel MLPClassifier's probabilities as (1 - p, p) per label, (N, 4) for 2 labels
+    while declaring (N, 2): loss="auto" refuses the model as multilabel, an explicit loss names the contradicted
+    shapes (not onnxruntime's bare Fail)."""
+    X, _, labels = data
+    multi = np.c_[labels, X[:, 0] > 0].astype(np.int64)
+    est = _fit(MLPClassifier(hidden_layer_sizes=(4,), max_iter=3, random_state=0), X, multi)
+    model = to_onnx(est, X[:1], options={id(est): {"zipmap": False}}, target_opset=OPSET)
+    with pytest.raises(onnxopt.errors.ModelError, match="multilabel classifier.*Binarizer"):
+        onnxopt.compile_train_step(model, loss="auto")
+    with pytest.raises(onnxopt.errors.ModelError, match="multilabel"):
+        onnxopt.Trainer(model, max_iter=1).fit(X, multi)
+    step = onnxopt.compile_train_step(model, loss="cross_entropy:from_logits=false", output="probabilities")
+    with pytest.raises(onnxopt.errors.ModelError, match="declared shapes.*contradict"):
+        onnxopt.Runner(step)
+
+
+def test_calibrated_classifier_is_refused_by_op_and_node(data):
+    """CalibratedClassifierCV picks columns of an intermediate (ArrayFeatureExtractor on a value of unknown
+    rank, not lowered): the error names the op and the nodes."""
+    from sklearn.calibration import CalibratedClassifierCV
+
+    X, _, labels = data
+    est = CalibratedClassifierCV(LogisticRegression(), cv=2).fit(X, labels)
+    model = to_onnx(est, X[:1], options={id(est): {"zipmap": False}}, target_opset=OPSET)
+    with pytest.raises(onnxopt.errors.NotDifferentiableError, match=r"ArrayFeatureExtractor \(node 'CaliAFE_"):
+        onnxopt.compile_train_step(model, loss="auto")

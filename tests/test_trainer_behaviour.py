@@ -106,3 +106,17 @@ def test_one_permutation_per_epoch_from_random_state_and_epoch(noisy):
         np.testing.assert_array_equal(est.runner_.get_weights()[name], value, err_msg=name)
     other = onnxopt.Trainer(mlp([4, 8, 1], seed=1), random_state=8, **kw).fit(X, y)
     assert not np.array_equal(other.runner_.get_weights()["coef_0"], est.runner_.get_weights()["coef_0"])
+
+
+def test_data_errors_hint_at_class_labels_and_flat_rows():
+    """Class labels for a model of 3 raw scores under loss="auto" (a regressor: square) and flat rows for a model
+    reading (N, 2, 4): both errors say what to do."""
+    from onnxopt.data import check_feature_shape, check_target
+    from onnxopt.errors import DataError
+
+    with pytest.raises(DataError, match=r"got \(6,\) \(class labels for 3 scores\? loss='cross_entropy'"):
+        onnxopt.Trainer(mlp([4, 5, 3]), max_iter=1).fit(np.zeros((6, 4), np.float32), np.array([0, 1, 2, 0, 1, 2]))
+    with pytest.raises(DataError, match=r"X.reshape\(-1, 2, 4\) gives the model's shape"):
+        check_feature_shape((6, 8), [None, 2, 4])
+    with pytest.raises(DataError, match=r"got \(6,\)$"):  # NOTE: no hint for values that are not labels
+        check_target(np.linspace(0, 1, 6), 6, np.float32, ["N", 3])

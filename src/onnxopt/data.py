@@ -72,6 +72,11 @@ def check_feature_shape(got: tuple, shape: list, columns: list[str] | None = Non
     free); ``columns``: the feature columns X was read from, named in the error."""
     if len(got) != len(shape):
         hint = " (use X.reshape(-1, 1) for a single feature)" if len(got) == 1 and len(shape) == 2 else ""
+        tail = shape[1:]
+        if len(got) == 2 and len(shape) > 2 and all(isinstance(d, int) for d in tail) and \
+                int(np.prod(tail)) == got[1]:  # NOTE: a CSV or Parquet row is flat
+            hint = (f" (X.reshape(-1, {', '.join(map(str, tail))}) gives the model's shape; a CSV or Parquet row "
+                    f"is flat: pass such inputs as an array, or to onnxopt fit in a .npz)")
         raise DataError(f"X: expected {len(shape)} dimensions {list(shape)}, got shape {tuple(got)}{hint}")
     for axis, (want, n) in enumerate(zip(shape, got)):
         if isinstance(want, int) and axis > 0 and want != n:
@@ -93,7 +98,14 @@ def check_target(y, n: int, dtype, shape: list | None, allow_nan: bool = False) 
         fits = (list(arr.shape[1:]) in ([], [1]) and tail in ([], [1])) or (
             len(tail) == arr.ndim - 1 and all(t is None or t == a for t, a in zip(tail, arr.shape[1:])))
         if not fits:
-            raise DataError(f"y: expected shape {[n, *tail]} to match the prediction {list(shape)}, got {arr.shape}")
+            hint = ""
+            if arr.shape in ((n,), (n, 1)) and len(tail) == 1 and isinstance(tail[0], int) and tail[0] > 1 and \
+                    np.issubdtype(arr.dtype, np.number) and np.array_equal(arr, np.round(arr)):
+                hint = (f" (class labels for {tail[0]} scores? loss='cross_entropy', the CLI's --loss cross_entropy, "
+                        f"trains them as a classifier; loss='auto' takes a model without a label output for a "
+                        f"regressor)")
+            raise DataError(f"y: expected shape {[n, *tail]} to match the prediction {list(shape)}, got "
+                            f"{arr.shape}{hint}")
     elif dtype == np.int64 and arr.shape not in ((n,), (n, 1)):
         raise DataError(f"y: expected class labels shaped ({n},) or ({n}, 1), got shape {arr.shape}")
     _check_finite(arr, "y", allow_nan)

@@ -85,13 +85,15 @@ def _is_weight(value: ir.Value, computed: set[str] = frozenset()) -> bool:
 
 
 _FEATURE_WISE = {"Sub", "Div", "Mul", "Add"}
-_PASS_THROUGH = {"Cast", "Identity", "Reshape", "Flatten"}
+# NOTE: Gather and Slice pick columns (a ColumnTransformer's ArrayFeatureExtractor, lowered to Gather)
+_PASS_THROUGH = {"Cast", "Identity", "Reshape", "Flatten", "Gather", "Slice"}
 
 
 def _preprocessing_constants(m: ir.Model) -> set[str]:
     """skl2onnx models: the constants of the feature-wise Sub/Div/Mul/Add applied to the raw inputs before any
-    other op (a pipeline's StandardScaler in float64, MinMaxScaler, the mean PCA or PLS subtract): fitted
-    statistics of a transformer, not coefficients of the estimator."""
+    other op (a pipeline's StandardScaler in float64, MinMaxScaler, the mean PCA or PLS subtract), through
+    column selections and their Concat (a ColumnTransformer): fitted statistics of a transformer, not
+    coefficients of the estimator; and an ensemble's voting weights (``_voting_weights``)."""
     if m.producer_name != "skl2onnx":
         return set()
     features, found = set(m.graph.inputs), set()
@@ -102,7 +104,9 @@ def _preprocessing_constants(m: ir.Model) -> set[str]:
         consts = [v for v in inputs if v not in features]
         if node.op_type in _PASS_THROUGH and node.inputs[0] in features:
             features.update(node.outputs)
-        elif node.op_type in _FEATURE_WISE and all((v.is_initializer() and _per_feature(v, m)) or _projection(v)
+        elif node.op_type == "Concat" and all(v in features for v in inputs):
+            features.update(node.outputs)  # NOTE: a ColumnTransformer joins its transformed columns
+        elif node.op_type in _FEATURE_WISE and all((v.is_initializer() and _per_feature(v)) or _projection(v)
                                                    for v in consts):
             features.update(node.outputs)
             found.update(v.name for v in consts if v.is_initializer())
@@ -110,6 +114,23 @@ def _preprocessing_constants(m: ir.Model) -> set[str]:
         elif node.op_type == "MatMul" and node.inputs[0] in features and _projection(node.inputs[1]) is not None:
             features.update(node.outputs)  # NOTE: PCA's or TruncatedSVD's components, then what reads them
             found.add(node.inputs[1].name)
+    return found | _voting_weights(m)
+
+
+# NOTE: skl2onnx's VotingRegressor / VotingClassifier converters name each estimator's share (1/n, or its
+# normalized ``weights``) w0, w1, ... and multiply the estimator's output by it
+_VOTING_WEIGHT = re.compile(r"w\d+(_\d+)?")
+
+
+def _voting_weights(m: ir.Model) -> set[str]:
+    """The one-element initializers named ``w<i>`` read only by Mul: an ensemble's fixed voting weights (a
+    hyperparameter of VotingRegressor/VotingClassifier, not a coefficient)."""
+    found = set()
+    for name, v in m.graph.initializers.items():
+        uses = list(v.uses())
+        if _VOTING_WEIGHT.fullmatch(name) and v.const_value is not None and v.const_value.size == 1 and uses \
+                and all(node.op_type == "Mul" for node, _ in uses):
+            found.add(name)
     return found
 
 
@@ -127,13 +148,11 @@ def _stored_data(m: ir.Model) -> set[str]:
             if v.uses() and all(lookup(node, idx) for node, idx in v.uses())}
 
 
-def _per_feature(v: ir.Value, m: ir.Model) -> bool:
-    """Whether the constant ``v`` holds one value, or one per input feature (a scaler's), not more (GaussianNB's
-    per-class means, which broadcast the features to a class axis)."""
-    x = m.graph.inputs[0] if m.graph.inputs else None
-    width = x.shape[-1] if x is not None and x.shape is not None and x.shape.rank() else None
-    size = v.const_value.size if v.const_value is not None else None
-    return size is not None and (size == 1 or size == width)
+def _per_feature(v: ir.Value) -> bool:
+    """Whether the constant ``v`` is one value or a row of them, one per feature (a scaler's), not a table
+    (GaussianNB's per-class means, which broadcast the features to a class axis)."""
+    return v.const_value is not None and sum(d > 1 for d in v.const_value.shape) <= 1 and \
+        (v.const_value.size == 1 or v.const_value.shape[-1] > 1)
 
 
 # NOTE: skl2onnx's decomposition converters (PCA, IncrementalPCA, TruncatedSVD) name their components and
@@ -165,8 +184,9 @@ def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
     indices, bounds, BatchNormalization statistics, Dropout ratios, Pow exponents, comparison operands or
     RNN initial states, 0-d scalars, tensors holding an infinite or NaN value (attention masks), constants the
     dynamo exporter folded from its temporaries, one-element ±1 constants read only as ``1 - x`` or ``x·(±1)``,
-    and in skl2onnx models the constants of feature-wise Sub/Div/Mul/Add on the raw inputs (scalers'
-    statistics) and a decomposition's components (PCA, TruncatedSVD) when weights follow them; pass
+    and in skl2onnx models the constants of feature-wise Sub/Div/Mul/Add on the raw inputs or columns of them
+    (scalers' statistics, a ColumnTransformer's), a decomposition's components (PCA, TruncatedSVD) and an
+    ensemble's voting weights when weights follow them; pass
     ``weights=`` to train those (see docs/modes.md).
 
     >>> from onnxopt.examples import linear_regression

@@ -25,7 +25,7 @@ import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
 from onnxopt.data import as_array, check_batch_size, check_class_indices
-from onnxopt.errors import CheckpointError, ConvergenceError, DataError, NotDifferentiableError
+from onnxopt.errors import CheckpointError, ConvergenceError, DataError, ModelError, NotDifferentiableError
 from onnxopt.passes.batch import (drop_same_shape_reshapes, hoist, masked_relu_grads, row_sum_updates, shaped_target,
                                   summed_rows)
 from onnxopt.passes.epoch import CHECK, COUNT, LAST, PREFIX, epoch_model, scannable
@@ -197,6 +197,27 @@ def _missing_kernel(exc: Exception, model: onnx.ModelProto, device: str) -> NotD
         f"(for Resize: constant scales or sizes on static axes), change the model to one of them", [(op, name)])
 
 
+def several_inputs(names: list[str]) -> ModelError:
+    """The error for a model with more than one data input: Runner, Trainer and the CLI feed one."""
+    return ModelError(f"model: it reads {len(names)} data inputs {list(names)}; Runner, Trainer and onnxopt fit feed "
+                      f"one (X): export the model with its inputs in one tensor (concatenate them and split them in "
+                      f"forward), or run the compiled step.model in an onnxruntime session that feeds every input")
+
+
+def _contradicted_shapes(exc: Exception) -> ModelError | None:
+    """onnxruntime's shape inference refusing the step: a model whose declared output or value shapes its own
+    graph contradicts (skl2onnx's multilabel MLPClassifier declares (N, labels) probabilities and computes
+    (N, 2·labels)), as an error saying so instead of onnxruntime's bare ``Fail``."""
+    text = str(exc)
+    if "ShapeInferenceError" not in text:
+        return None
+    return ModelError(f"model: onnxruntime cannot load the training step: {text.strip()}; the model's declared "
+                      f"shapes (of its outputs or values) contradict what its nodes compute, check them with "
+                      f"onnx.shape_inference.infer_shapes(model, strict_mode=True) (skl2onnx's multilabel "
+                      f"MLPClassifier is one such model: its probabilities are declared (N, labels) and computed "
+                      f"(N, 2·labels))")
+
+
 def _locked(method: Callable) -> Callable:
     """``method`` run holding the runner's lock: threads sharing a runner take turns, each step whole."""
     @functools.wraps(method)
@@ -220,6 +241,8 @@ class Runner:
                  session_options: ort.SessionOptions | None = None, batch_size: int = 32):
         self._lock = threading.RLock()  # NOTE: reentrant: epoch calls step, save_checkpoint get_weights
         self.train_step = step if isinstance(step, TrainStep) else TrainStep.load(step)
+        if len(self.train_step.inputs) > 1:  # NOTE: step() feeds X to inputs[0]; the others would be missing
+            raise several_inputs(self.train_step.inputs)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
         self.device = device
@@ -266,7 +289,7 @@ class Runner:
                 self.session = ort.InferenceSession(stripped, opts, providers=providers,
                                                     disabled_optimizers=KEEP_DROPOUT)
         except Exception as exc:
-            raise _missing_kernel(exc, self.train_step.model, device) or exc
+            raise _missing_kernel(exc, self.train_step.model, device) or _contradicted_shapes(exc) or exc
         # NOTE: as the step declares them (the session's target and sample weights may be specialized, cpu_model)
         self._input_types = {i.name: i.type.tensor_type for i in self.train_step.model.graph.input}
         self._carried = [*self.train_step.weights, *self.train_step.buffers, *self.train_step.state]

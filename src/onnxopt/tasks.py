@@ -6,7 +6,9 @@ probabilities, a tensor or ZipMap's dictionaries) is a classifier: the loss is
 computed from the inputs by linear and layout ops alone, nothing that could normalize it (skl2onnx names the
 decision scores of SGDClassifier(hinge), Perceptron and LinearSVC "probabilities"); one such column (the positive
 class's probability or score, LinearSVC's and RidgeClassifier's for two classes) takes the binary ``log`` loss.
-Any other model is a regressor: ``square``.
+A multilabel classifier (its label output a Binarizer's, skl2onnx's multilabel MLPClassifier) is refused with
+an error saying why. Any other model is a regressor: ``square`` (GLMs too: PoissonRegressor, GammaRegressor,
+TweedieRegressor train the squared error of their prediction exp(X·w + b), not their deviance).
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ def choose_loss(model, loss, output: str | None) -> tuple:
     others = [v.name for v in outputs if v.name not in labels]
     if not labels or output in labels:
         return "square", output
+    multi = next((v.name for v in outputs if v.name in labels and _binarized(v)), None)
+    if multi is not None:
+        raise ModelError(
+            f"loss: the model is a multilabel classifier (its label output {multi!r} thresholds one column per "
+            f"label with a Binarizer node); loss='auto' knows single-label classifiers only, and skl2onnx writes "
+            f"a multilabel MLPClassifier's probabilities as (1 - p, p) for every label, twice the columns "
+            f"scikit-learn's predict_proba has: convert one classifier per label, or pass loss= and output= "
+            f"for an output whose columns you know")
     if output is None and len(others) != 1:
         raise ModelError(f"loss: the model has class labels {labels} and {len(others)} other outputs {others}; "
                          f"pick the probabilities with --output NAME (output=) and --loss {CLASSIFIER_LOSS}")
@@ -65,6 +75,14 @@ def _scores(value: ir.Value) -> bool:
             return False
         todo.extend(i for i in node.inputs if i is not None)
     return True
+
+
+def _binarized(value: ir.Value) -> bool:
+    """Whether ``value`` is a Binarizer's output, through casts and reshapes (skl2onnx's multilabel labels)."""
+    node = value.producer()
+    while node is not None and node.op_type in ("Cast", "Identity", "Reshape") and node.inputs:
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    return node is not None and node.op_type == "Binarizer"
 
 
 def metrics(est, X: np.ndarray, y: np.ndarray) -> dict[str, float]:

@@ -29,7 +29,8 @@ from onnxopt.fuse import compile_train_step
 from onnxopt.loss_output import add_loss_output
 from onnxopt.modelio import load_model
 from onnxopt.resolve import resolve_loss
-from onnxopt.runner import FIXED_BATCH, Runner, default_session_options, fixed_rows, step_work
+from onnxopt.runner import (FIXED_BATCH, Runner, default_session_options, fixed_rows, several_inputs,
+                            step_work)
 from onnxopt.scaling import fit_scaling
 from onnxopt.step import _KEY as STEP_KEY, TrainStep
 from onnxopt.tasks import choose_loss
@@ -139,6 +140,10 @@ class Trainer:
         # NOTE: a saved step's loss="auto" is read from the inference model it was compiled from
         inference = model if saved is None else onnx.ModelProto.FromString(saved.inference) if saved.inference else None
         self._chosen = loss, output = choose_loss(inference, self.loss, self.output)
+        if saved is None and loss is not None:  # NOTE: a model outputting its own loss also reads its target
+            names = [v.name for v in load_model(model).graph.inputs if not v.is_initializer()]
+            if len(names) > 1:
+                raise several_inputs(names)
         if X is not None and _in_memory(X) and self.scale is not False and loss is not None and self.loss_output is None:
             targets = y if _task(resolve_loss(loss)) == "regression" else None
             self.scaling_ = fit_scaling(_floats(X), _floats(targets), self.scale)

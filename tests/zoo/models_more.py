@@ -405,6 +405,164 @@ class TensorOps2(nn.Module):
         return self.out(torch.cat(parts, 1))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# architectures users hand over whole (the second sweep): blocks of MobileNetV2, SENet, U-Net, DenseNet, an
+# LSTM language model with tied embeddings, a text CNN, a ViT, an MLP-Mixer, a Siamese net, GroupNorm, a VAE
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expansion, depthwise 3x3 (groups = channels), 1x1 projection, each Conv
+    without bias and followed by BatchNorm2d (ReLU6 after the first two), plus the input; GAP, Dropout, Linear."""
+
+    folds = [("expand", "b1"), ("depthwise", "b2"), ("project", "b3")]
+
+    def __init__(self, p: float = 0.2):
+        super().__init__()
+        self.expand, self.b1 = nn.Conv2d(4, 12, 1, bias=False), nn.BatchNorm2d(12)
+        self.depthwise, self.b2 = nn.Conv2d(12, 12, 3, padding=1, groups=12, bias=False), nn.BatchNorm2d(12)
+        self.project, self.b3 = nn.Conv2d(12, 4, 1, bias=False), nn.BatchNorm2d(4)
+        self.drop, self.fc = nn.Dropout(p), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = F.relu6(self.b2(self.depthwise(F.relu6(self.b1(self.expand(x))))))
+        return self.fc(self.drop((x + self.b3(self.project(h))).mean(dim=(2, 3))))
+
+
+class SqueezeExcite(nn.Module):
+    """Conv -> ReLU, scaled per channel by Sigmoid(Linear(ReLU(Linear(GAP)))); GAP, Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.squeeze, self.excite, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 2), \
+            nn.Linear(2, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = F.relu(self.conv(x))
+        w = torch.sigmoid(self.excite(F.relu(self.squeeze(F.adaptive_avg_pool2d(h, 1).flatten(1)))))
+        return self.fc((h * w[:, :, None, None]).mean(dim=(2, 3)))
+
+
+class SmallUNet(nn.Module):
+    """Conv, MaxPool, Conv, ConvTranspose2d (stride 2) concatenated with the skip, Conv, 1x1 Conv; the map's mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.e1, self.e2 = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 8, 3, padding=1)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.d, self.out = nn.Conv2d(8, 4, 3, padding=1), nn.Conv2d(4, 1, 1)
+
+    def forward(self, x):
+        skip = F.relu(self.e1(x))
+        h = torch.cat([self.up(F.relu(self.e2(F.max_pool2d(skip, 2)))), skip], dim=1)
+        return self.out(F.relu(self.d(h))).mean(dim=(2, 3))
+
+
+class LSTMLanguageModel(nn.Module):
+    """Embedding, 2-layer LSTM, Dropout, Linear whose weight is the embedding's (tied); predicts the token after
+    the sequence from the last step. NOTE: no dropout between the LSTM layers: TorchScript refuses to export it
+    in training mode ("dropout in training mode"), and eval exports drop it (checked by hand: same graph)."""
+
+    def __init__(self, p: float = 0.1):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.rnn = nn.LSTM(8, 8, num_layers=2, batch_first=True)
+        self.drop, self.dec = nn.Dropout(p), nn.Linear(8, 20)
+        self.dec.weight = self.emb.weight
+
+    def forward(self, x):
+        h, _ = self.rnn(self.emb(x))
+        return self.dec(self.drop(h[:, -1]))
+
+
+class TextCNN(nn.Module):
+    """Embedding, Conv1d over time, ReLU, max over time, Dropout, Linear."""
+
+    def __init__(self, p: float = 0.2):
+        super().__init__()
+        self.emb, self.conv = nn.Embedding(20, 6), nn.Conv1d(6, 8, 3, padding=1)
+        self.drop, self.fc = nn.Dropout(p), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(self.drop(F.relu(self.conv(self.emb(x).transpose(1, 2))).max(dim=2).values))
+
+
+class TinyViT(nn.Module):
+    """Conv patch embedding (4x4 patches), a class token and positional embeddings (nn.Parameter), pre-norm
+    MultiheadAttention and GELU MLP with residuals, LayerNorm, Linear on the class token."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(1, 8, 4, stride=4)
+        self.cls, self.pos = nn.Parameter(torch.zeros(1, 1, 8)), nn.Parameter(torch.zeros(1, 5, 8))
+        self.n1, self.n2, self.n3 = nn.LayerNorm(8), nn.LayerNorm(8), nn.LayerNorm(8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        t = self.patch(x).flatten(2).transpose(1, 2)
+        t = torch.cat([self.cls.expand(x.shape[0], -1, -1), t], dim=1) + self.pos
+        h = self.n1(t)
+        t = t + self.attn(h, h, h, need_weights=False)[0]
+        t = t + self.mlp(self.n2(t))
+        return self.head(self.n3(t)[:, 0])
+
+
+class MixerBlock(nn.Module):
+    """MLP-Mixer: a token-mixing MLP (on the transposed tokens) and a channel-mixing MLP, LayerNorm and a
+    residual each; mean over tokens, Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(6), nn.LayerNorm(6)
+        self.tokens = nn.Sequential(nn.Linear(5, 8), nn.GELU(), nn.Linear(8, 5))
+        self.channels = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x):
+        x = x + self.tokens(self.n1(x).transpose(1, 2)).transpose(1, 2)
+        return self.head((x + self.channels(self.n2(x))).mean(dim=1))
+
+
+class Siamese(nn.Module):
+    """One encoder applied to both halves of (N, 2, 4); Linear on |e(a) - e(b)| (a weight used twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.head = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(torch.abs(self.enc(x[:, 0]) - self.enc(x[:, 1])))
+
+
+class GroupNormCNN(nn.Module):
+    """Conv -> GroupNorm(3, 6) -> ReLU -> Conv -> GroupNorm(2, 4) -> SiLU -> GAP -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.g1 = nn.Conv2d(2, 6, 3, padding=1), nn.GroupNorm(3, 6)
+        self.c2, self.g2 = nn.Conv2d(6, 4, 3), nn.GroupNorm(2, 4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = F.silu(self.g2(self.c2(F.relu(self.g1(self.c1(x))))))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+class VAE(nn.Module):
+    """Encoder to (mu, logvar), z = mu + exp(logvar / 2)·eps, decoder; (N, 8) = 6 features, then the noise eps
+    (2 columns: the one data input Runner feeds); the reconstruction."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.mu, self.logvar = nn.Linear(6, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+        self.dec = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x[:, :6]))
+        return self.dec(self.mu(h) + torch.exp(0.5 * self.logvar(h)) * x[:, 6:])
+
+
 @dataclasses.dataclass
 class Spec:
     """How to build one model and its data (see ``zoo.models.TorchSpec``)."""
@@ -461,6 +619,22 @@ MODELS: dict[str, Spec] = {
     "conv_same": Spec(ConvSame, (2, 6), lr=0.3, summary=lambda X: X.mean(axis=2)),
     "tensor_ops2": Spec(TensorOps2, (4,)),
     "interpolate": Spec(Interpolate, (1, 6, 6), lr=0.1, summary=lambda X: 2 * X[:, :, 1:5, 1:5].mean(axis=(2, 3))),
+    "inverted_residual": Spec(lambda p=0.2: InvertedResidual(p), (4, 6, 6), loss="cross_entropy", classes=3,
+                              stateful=True, lr=0.3, summary=lambda X: 6 * X.mean(axis=(2, 3))),
+    "squeeze_excite": Spec(SqueezeExcite, (3, 6, 6), loss="cross_entropy", classes=3, lr=1.0,
+                           summary=lambda X: 6 * X.mean(axis=(2, 3))),
+    "unet": Spec(SmallUNet, (1, 8, 8), lr=0.1, summary=lambda X: 2 * X[:, :, 2:6, 2:6].mean(axis=(2, 3))),
+    "lstm_lm": Spec(lambda p=0.1: LSTMLanguageModel(p), (7,), loss="cross_entropy", classes=20, stateful=True,
+                    lr=0.5, tokens=20),
+    "text_cnn": Spec(lambda p=0.2: TextCNN(p), (9,), loss="cross_entropy", classes=3, stateful=True, lr=0.5,
+                     tokens=20),
+    "vit": Spec(TinyViT, (1, 8, 8), loss="cross_entropy", classes=3, lr=0.1,
+                summary=lambda X: 4 * X.reshape(len(X), 2, 4, 2, 4).mean(axis=(2, 4)).reshape(len(X), -1)),
+    "mixer": Spec(MixerBlock, (5, 6), summary=_standardized),
+    "siamese": Spec(Siamese, (2, 4), summary=lambda X: np.abs(X[:, 0] - X[:, 1])),
+    "groupnorm": Spec(GroupNormCNN, (2, 6, 6), loss="cross_entropy", classes=3, lr=0.3,
+                      summary=lambda X: 6 * X.mean(axis=(2, 3))),
+    "vae": Spec(VAE, (8,), summary=lambda X: X[:, :6]),
 }
 
 
@@ -545,6 +719,8 @@ def reference_module(name: str, exporter: str, p: float | None = None) -> nn.Mod
     for conv, bn in getattr(module, "folds", []):
         setattr(module, conv, fuse_conv_bn_eval(getattr(module, conv), getattr(module, bn)))
         setattr(module, bn, nn.Identity())
+    for param in module.parameters():  # NOTE: the bias folding gives a Conv(bias=False) does not require grad
+        param.requires_grad_(True)
     return module
 
 
