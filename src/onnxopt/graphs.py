@@ -12,7 +12,7 @@ import onnxscript
 
 from onnxopt.errors import DslError
 
-__all__ = ["REGION", "add_functions", "call", "splice", "new_input", "tag", "infer_shapes"]
+__all__ = ["REGION", "add_functions", "call", "splice", "new_input", "tag", "infer_shapes", "rule_set"]
 
 REGION = "onnxopt.region"
 
@@ -23,6 +23,53 @@ class _Quiet(logging.Filter):
 
 
 _INFERENCE_LOG = logging.getLogger(common.ShapeInferencePass.__module__)
+
+
+class _Rooted:
+    """A rewrite rule tried only on nodes of the op type its pattern ends with: onnxscript's rule set tries every
+    rule on every node, and a try costs its matcher's setup even where the op type already rules it out (~0.01 ms;
+    ~3,000 tries per R1 step for ~150 that can match)."""
+
+    def __init__(self, rule, op_type: str):
+        self._rule, self._op_type = rule, op_type
+
+    def try_rewrite(self, model, graph_or_function, node, **kwargs):
+        if node.op_type != self._op_type:
+            return None
+        return self._rule.try_rewrite(model, graph_or_function, node, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._rule, name)
+
+
+def _root_op(rule) -> str | None:
+    """The op type the pattern of ``rule`` ends with when onnxscript matches a node against it alone first (a
+    single output node, the default matcher), else None."""
+    from onnxscript.rewriter import _matcher, _pattern_ir
+
+    try:
+        pattern = rule._target_pattern
+        if not isinstance(rule._matcher, _matcher.SimplePatternMatcher) or len(pattern.output_nodes) != 1:
+            return None
+        op = pattern.output_nodes[0].op
+        return op.value() if isinstance(op, _pattern_ir.StringConstantPattern) else None
+    except AttributeError:  # NOTE: another onnxscript: every rule tried on every node, as before
+        return None
+
+
+def rule_set(rules: Sequence) -> onnxscript.rewriter.RewriteRuleSet:
+    """``RewriteRuleSet(rules)`` whose rules are tried only on nodes of their pattern's last op type (the same
+    matches: onnxscript's matcher fails any other node on its op type)."""
+    from onnxscript.rewriter import RewriteRuleSet
+
+    wrapped = []
+    for rule in rules:
+        if isinstance(rule, _Rooted):
+            wrapped.append(rule)
+            continue
+        op = _root_op(rule)
+        wrapped.append(rule if op is None else _Rooted(rule, op))
+    return RewriteRuleSet(wrapped)
 
 
 def infer_shapes(model: ir.Model) -> None:

@@ -31,7 +31,9 @@ import threading
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRule
+
+from onnxopt import graphs
 
 __all__ = ["ml_rules", "lower_ml_ops", "drop_zipmap", "restore_zipmap"]
 
@@ -271,7 +273,7 @@ def restore_zipmap(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-ml_rules = RewriteRuleSet([
+ml_rules = graphs.rule_set([
     RewriteRule(_linear_regressor, _linear_regressor_lowered, _linear_regressor_check,
                 name="LinearRegressorToMatMulAdd"),
     RewriteRule(_linear_classifier, _linear_classifier_lowered, _linear_classifier_check,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRule
 
 from onnxopt import graphs
 
@@ -124,7 +124,7 @@ def _concat_as_pads(op, x, out):
     return result
 
 
-rules = RewriteRuleSet([RewriteRule(_castlike, _cast, _castlike_known, name="CastLikeToCast"),
+rules = graphs.rule_set([RewriteRule(_castlike, _cast, _castlike_known, name="CastLikeToCast"),
                         RewriteRule(_relu, _relu_as_where, _relu_double, name="DoubleReluToWhere"),
                         RewriteRule(_softmax, _softmax_as_lse, _softmax_double, name="DoubleSoftmaxToLSE"),
                         RewriteRule(_log_softmax, _log_softmax_as_lse, _softmax_double, name="DoubleLogSoftmaxToLSE"),

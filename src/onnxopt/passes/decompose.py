@@ -24,8 +24,9 @@ import json
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRule
 
+from onnxopt import graphs
 from onnxopt.autodiff.recurrent import _rebuild
 from onnxopt.autodiff.rewrite import GRADIENTS, REWRITES, load_rewrites
 
@@ -263,7 +264,7 @@ def decompose(model: ir.Model, unroll_recurrent: bool = False, gradient: str = "
     present = {n.op_type for n in model.graph if n.domain in ("", "ai.onnx")}
     rules = [rule for op in sorted(present & set(_RULE_SET)) for rule in _RULE_SET[op]]
     if rules:
-        RewriteRuleSet(rules).apply_to_model(model)
+        graphs.rule_set(rules).apply_to_model(model)
     _complete_outputs(model.graph)
     lower_recurrent(model, gradient, unroll_recurrent)
     for i, node in enumerate(model.graph):

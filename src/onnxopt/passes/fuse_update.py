@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common
-from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRule
 
 from onnxopt import graphs
 from onnxopt.passes.kernels import sgd_kernel_rules
@@ -101,7 +101,7 @@ def _reshape_identity(op, x, shape, out):
     return op.Identity(x)
 
 
-update_rules = RewriteRuleSet([
+update_rules = graphs.rule_set([
     RewriteRule(_sgd_gemm, _sgd_as_gemm, _sgd_gemm_check, name="GemmUpdate"),
     RewriteRule(_sgd_gemm_swapped, _sgd_as_gemm, _sgd_gemm_check, name="GemmUpdateSwapped"),
     RewriteRule(_mul, _identity, _mul_by_one, name="MulByOne"),
@@ -109,11 +109,14 @@ update_rules = RewriteRuleSet([
 ])
 
 
+_with_kernels = graphs.rule_set([*update_rules.rules, *sgd_kernel_rules])
+
+
 def fuse_update(model: ir.Model, kernels: bool = False) -> ir.Model:
     """Applies ``update_rules`` in place (graph outputs keep their names), then with ``kernels`` (non-portable
     steps) ``passes.kernels.sgd_kernel_rules``; returns ``model``."""
     names = [v.name for v in model.graph.outputs]
-    (RewriteRuleSet([*update_rules.rules, *sgd_kernel_rules]) if kernels else update_rules).apply_to_model(model)
+    (_with_kernels if kernels else update_rules).apply_to_model(model)
     for value, name in zip(model.graph.outputs, names):
         value.name = name
     # NOTE: the Identity nodes left are dropped by onnxruntime; merging the Shape nodes they make equal is not
