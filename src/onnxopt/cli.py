@@ -198,7 +198,8 @@ _BOOLEANS = {"true": 1.0, "false": 0.0}  # NOTE: what pandas writes for a bool c
 
 def _number(text: str) -> float:
     """A CSV feature value: a number, or True/False as 1/0."""
-    return _BOOLEANS.get(text.strip().lower()) if text.strip().lower() in _BOOLEANS else float(text)
+    key = text.strip().lower()
+    return _BOOLEANS[key] if key in _BOOLEANS else float(text)
 
 
 def _is_number(text: str) -> bool:

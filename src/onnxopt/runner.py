@@ -682,8 +682,9 @@ class Runner:
         names = [n for n in (self._x_name, self._y_name, self._w_name, self.train_step.output_grad) if n is not None]
         given = ", ".join(f"{n}{tuple(a.shape)} {a.dtype}" for n, a in zip(names, arrays))
         types = self._input_types
-        expected = ", ".join(f"{n}{[d.dim_param or d.dim_value for d in types[n].shape.dim] if types[n].HasField('shape') else '(any shape)'} "
-                             f"tensor({ir.DataType(types[n].elem_type).name.lower()})" for n in names)
+        dims = {n: [d.dim_param or d.dim_value for d in types[n].shape.dim] if types[n].HasField("shape")
+                else "(any shape)" for n in names}
+        expected = ", ".join(f"{n}{dims[n]} tensor({ir.DataType(types[n].elem_type).name.lower()})" for n in names)
         reason = exc if isinstance(exc, str) else f"onnxruntime refused it ({str(exc).splitlines()[0][:300]})"
         rows = fixed_rows(self.train_step)
         if rows is not None and arrays and np.ndim(arrays[0]) and len(arrays[0]) != rows:
