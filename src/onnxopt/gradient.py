@@ -106,11 +106,9 @@ def _preprocessing_constants(m: ir.Model) -> set[str]:
             features.update(node.outputs)
         elif node.op_type == "Concat" and all(v in features for v in inputs):
             features.update(node.outputs)  # NOTE: a ColumnTransformer joins its transformed columns
-        elif node.op_type in _FEATURE_WISE and all((v.is_initializer() and _per_feature(v)) or _projection(v)
-                                                   for v in consts):
+        elif node.op_type in _FEATURE_WISE and (stats := _statistics(consts)) is not None:
             features.update(node.outputs)
-            found.update(v.name for v in consts if v.is_initializer())
-            found.update(_projection(v).name for v in consts if _projection(v) is not None)
+            found.update(s.name for s in stats)
         elif node.op_type == "MatMul" and node.inputs[0] in features and _projection(node.inputs[1]) is not None:
             features.update(node.outputs)  # NOTE: PCA's or TruncatedSVD's components, then what reads them
             found.add(node.inputs[1].name)
@@ -146,6 +144,12 @@ def _stored_data(m: ir.Model) -> set[str]:
 
     return {name for name, v in m.graph.initializers.items()
             if v.uses() and all(lookup(node, idx) for node, idx in v.uses())}
+
+
+def _statistics(consts: list[ir.Value]) -> list[ir.Value] | None:
+    """The transformer initializers ``consts`` are (a scaler's row, a decomposition's), or None if one is not."""
+    found = [v if v.is_initializer() and _per_feature(v) else _projection(v) for v in consts]
+    return None if any(s is None for s in found) else found
 
 
 def _per_feature(v: ir.Value) -> bool:
