@@ -48,6 +48,9 @@ _COPIED = 32 * 1024
 # NOTE: parameters × batch below which a step does little work: one thread, and epochs as one Scan run (whose
 # second session would cost memory and save nothing on longer steps)
 SMALL_STEP = 1_000_000
+# NOTE: the step's session is specialized for batches of at most this many rows: onnxruntime folds per-row
+# constants (sample weights' ones) at that length, and a larger batch gains nothing from fixed shapes
+MAX_SPECIALIZED_ROWS = 1 << 16
 
 
 def step_work(step: TrainStep, weights: Mapping[str, np.ndarray] | None = None) -> int:
@@ -232,7 +235,8 @@ class Runner:
 
     ``session_options`` overrides ``default_session_options`` (threads, optimization level), which
     ``batch_size`` (the usual batch length) tunes; the step's session is made for batches of that length
-    (the batch axis fixed), another length runs a second session made on first use. A runner may be shared
+    (the batch axis fixed, up to ``MAX_SPECIALIZED_ROWS``), another length runs a second session made on first
+    use. A runner may be shared
     between threads: its public methods hold a lock, so concurrent steps run one after the other and none is
     lost.
     """
@@ -272,7 +276,7 @@ class Runner:
         # NOTE: the step's session runs batches of ``batch_size`` rows; other lengths run on the model as compiled.
         # Only for steps that epochs run one by one: a small step's epoch is one Scan run (its own session), its
         # step session then runs the short last batch, and a second session would cost more than it saves
-        rows = batch_size if type(batch_size) is int and batch_size > 0 and (
+        rows = batch_size if type(batch_size) is int and 0 < batch_size <= MAX_SPECIALIZED_ROWS and (
             self._cpu is None or self._size * batch_size >= SMALL_STEP) else None  # NOTE: bad sizes fail later
         fixed = _without_values(model, initial, self.train_step.inputs[0], rows) if rows else None
         self._fixed_rows, self._free, self._extra = (batch_size if fixed else None), stripped, {}

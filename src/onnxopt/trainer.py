@@ -125,8 +125,9 @@ class Trainer:
             self._predictor = self._evaluator = None
 
     # -- setup -------------------------------------------------------------------------------------------
-    def _make_runner(self, streamed: bool = False) -> Runner:
+    def _make_runner(self, streamed: bool = False, rows: int | None = None) -> Runner:
         batch = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 32
+        batch = min(batch, rows) if rows else batch  # NOTE: fit clips batches to the data: sessions are made for that
         if getattr(self, "_parallel", None) is not None:  # NOTE: under torch.distributed (onnxopt.distributed)
             return distributed.DataParallelRunner(*self._parallel, device=self.device, batch_size=batch)
         opts = None
@@ -171,7 +172,10 @@ class Trainer:
         if rows is not None:  # NOTE: batches, the last one and validation rows would all need that length
             raise ModelError(f"model: {FIXED_BATCH.format(name=self.train_step_.inputs[0], rows=rows)}; Trainer needs "
                              f"batches of any length (Runner.step trains such a model on batches of {rows} rows)")
-        self.runner_ = self._make_runner(streamed=stream.as_stream(X) is not None)
+        source = stream.as_stream(X)
+        rows = getattr(source, "rows", None) if source is not None else \
+            np.shape(X)[0] if X is not None and _in_memory(X) and np.ndim(X) else None
+        self.runner_ = self._make_runner(streamed=source is not None, rows=rows)
         self._loss = resolve_loss(loss) if loss is not None else None
         self._kind = _task(self._loss)
         self.n_iter_, self.train_losses_, self.validation_losses_ = 0, [], []
