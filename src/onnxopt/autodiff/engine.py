@@ -537,10 +537,21 @@ def _output_grad(o: ir.Value, types: dict) -> ir.Value:
 def _infer(m: ir.Model) -> tuple[dict, dict]:
     """(name -> dims, name -> element type) of every value by ONNX shape inference on a copy (not strict: the
     values after an op it cannot type stay unknown); the graph itself is left as the user wrote it. Nothing when
-    every value already has a type and a shape (the engine reads the dicts only for values lacking them)."""
-    if all(v.dtype is not None and v.shape is not None for v in m.graph.inputs) and \
-            all(o.dtype is not None and o.shape is not None for node in m.graph for o in node.outputs):
+    every value already has a type and a shape (the engine reads the dicts only for values lacking them); ranks
+    alone (``_propagate_ranks``) when the only values lacking one are those the inference before the rewrites
+    (``graphs.infer_shapes``, stronger) could not type (``graphs.UNINFERRED``: this one finds nothing for them
+    either) and the statistics outputs the rewrites gave LayerNormalization (the rule types them itself and reads
+    no shape of theirs): T1's attention, ~15 ms of serializing and inferring the whole model."""
+    from onnxopt.graphs import UNINFERRED
+
+    lacking = [v for v in [*m.graph.inputs, *(o for node in m.graph for o in node.outputs)]
+               if v.dtype is None or v.shape is None]
+    if not lacking:
         return {}, {}
+    if all(v.meta.get(UNINFERRED) or _layer_norm_statistics(v) for v in lacking):
+        dims: dict = {}
+        _propagate_ranks(m.graph, dims)
+        return dims, {}
     try:
         proto = onnx.shape_inference.infer_shapes(ir.to_proto(m), strict_mode=False)
     except Exception:  # noqa: BLE001 (a model over 2 GB: the rules then say which rank they lack)
@@ -554,6 +565,13 @@ def _infer(m: ir.Model) -> tuple[dict, dict]:
                 dims[v.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
     _propagate_ranks(m.graph, dims)
     return dims, types
+
+
+def _layer_norm_statistics(value: ir.Value) -> bool:
+    """Whether ``value`` is the unread Mean or InvStdDev output of a LayerNormalization node."""
+    node = value.producer()
+    return node is not None and node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx") and \
+        value.index() in (1, 2) and not value.uses() and not value.is_graph_output()
 
 
 _SAME_RANK = {"Transpose", "Pad", "Slice", "Cast", "CastLike", "Identity", "Neg", "Relu", "Sigmoid", "Tanh", "Exp",
