@@ -513,7 +513,7 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
         if out in results or out.is_graph_input() or out.producer() is None or out.producer().op_type == "YieldOp":
             out = final.Identity(out)
         results.append(out)
-    backward += final.tape.nodes
+    backward = _read_only([*backward, *final.tape.nodes], set(results))
     for n in backward:
         n.metadata_props[REGION] = "backward"
     g.extend(backward)
@@ -524,6 +524,20 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
     g.outputs.clear()
     g.outputs.extend(results)
     return m
+
+
+def _read_only(nodes: list[ir.Node], results: set[ir.Value]) -> list[ir.Node]:
+    """``nodes`` without those no node reads and making none of ``results`` (the per-row scatters
+    ``_merge_scatters`` merged, and what only they read), their inputs released: they would reach the graph
+    for the dead-node pass after ``differentiate`` to walk and remove (T1: 25)."""
+    kept = []
+    for node in reversed(nodes):
+        if any(o in results or o.uses() for o in node.outputs):
+            kept.append(node)
+        else:
+            for i in range(len(node.inputs)):
+                node.replace_input_with(i, None)
+    return kept[::-1]
 
 
 def _output_grad(o: ir.Value, types: dict) -> ir.Value:
