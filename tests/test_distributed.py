@@ -109,6 +109,24 @@ def test_cli_workers_on_fewer_rows_than_ranks_times_batch(tmp_path):
         np.testing.assert_allclose(two[k], one[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+def test_cli_workers_without_torch_is_one_line(tmp_path, monkeypatch, capsys):
+    """`--workers 2` where torch is not installed: one line naming torch and the install command, exit 2, no
+    launch (the launcher only looks torch up: the agent and the ranks import it)."""
+    import importlib.util
+
+    X = np.random.default_rng(3).normal(size=(8, 3)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", X=X, y=X.sum(1))
+    onnx.save(mlp([3, 4, 1]), tmp_path / "m.onnx")
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find(name, *a))
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("launched ranks without torch"))
+    code = main(["fit", str(tmp_path / "m.onnx"), str(tmp_path / "d.npz"), "--workers", "2", "-o",
+                 str(tmp_path / "t.onnx")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "--workers: 2 ranks need torch" in err[0] and "pip install -e '.[torch]'" in err[0], err
+
+
 @pytest.mark.parametrize("fault", ["kill", pytest.param("hang", marks=pytest.mark.slow), "disagree"])
 def test_a_faulty_rank_stops_the_others(fault, tmp_path):
     """Rank 1 is SIGKILLed or hangs in epoch 2, or runs another learning rate: rank 0 stops with a

@@ -264,7 +264,7 @@ def as_stream(X, y=None, sample_weight=None, features=None, target=None):
         try:
             import pyarrow.dataset as ds
         except ImportError as exc:
-            raise DataError(f"X: reading {X!r} needs pyarrow (pip install 'onnxopt[parquet]')") from exc
+            raise DataError(f"X: reading {X!r} needs pyarrow (pip install -e '.[parquet]' in the repository)") from exc
         if isinstance(X, (str, os.PathLike)):
             if not os.path.exists(X):
                 raise DataError(f"X: expected a Parquet file or folder, got {os.fspath(X)!r}, which does not exist")
