@@ -10,6 +10,7 @@ weights and the step count as they were (or at the weights that gave the last fi
 from __future__ import annotations
 
 import functools
+import os
 import re
 import warnings
 
@@ -34,10 +35,12 @@ RTOL = {np.float64: 1e-10, np.float32: 1e-5}
 SAFE = {np.float64: 1e300, np.float32: 1e35}  # NOTE: above this, rounding order decides between overflow or not
 FLOOR = {np.float64: 1e-290, np.float32: 1e-30}  # NOTE: absolute noise of results that underflow
 TINY = {np.float64: 2.3e-308, np.float32: 1.2e-38}  # NOTE: what one underflowing operation may lose
-# NOTE: derandomized (the same examples every run, no example database written); raise max_examples to explore
-RUNNER_FUZZ = settings(max_examples=600, deadline=None, derandomize=True, database=None,
+# NOTE: derandomized (the same examples every run, no example database written): 300 and 150 examples keep the
+# suite's time; ONNXOPT_FUZZ_EXAMPLES=N draws N for the Runner (N/2 for the Trainer) to explore
+_EXAMPLES = int(os.environ.get("ONNXOPT_FUZZ_EXAMPLES", 300))
+RUNNER_FUZZ = settings(max_examples=_EXAMPLES, deadline=None, derandomize=True, database=None,
                        suppress_health_check=[HealthCheck.too_slow])
-TRAINER_FUZZ = settings(RUNNER_FUZZ, max_examples=300)
+TRAINER_FUZZ = settings(RUNNER_FUZZ, max_examples=max(1, _EXAMPLES // 2))
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e300 to float32
 
 

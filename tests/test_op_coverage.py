@@ -132,7 +132,7 @@ CASES = [
                                                       "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd",
                                                       "ReduceSum", "ReduceSumSquare")],
     c("Relu", X), c("Reshape", X, np.array([3, 2], I64)),
-    c("Resize", IMG, None, np.array([1, 1, 2, 3], np.float32)),
+    c("Resize", "n:1,1,3,4", None, np.array([1, 1, 2, 3], np.float32)),  # NOTE: small: the reference loops
     c("ReverseSequence", "n:3,2", np.array([2, 3], I64), batch_axis=1, time_axis=0),
     c("RoiAlign", IMG, np.array([[0, 0, 3, 3]], np.float64), np.array([0], I64), output_height=2, output_width=2),
     c("Round", X), c("STFT", "n:1,8,1", np.array(2, I64), None, np.array(4, I64)),
