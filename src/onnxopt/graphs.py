@@ -17,9 +17,19 @@ __all__ = ["REGION", "add_functions", "call", "splice", "new_input", "tag", "inf
 REGION = "onnxopt.region"
 
 
+# NOTE: ``Value.meta`` key: ONNX's inference (``infer_shapes``: strict, with data propagation) left this value
+# without a type or a shape; ``autodiff.engine`` skips its own whole-model inference when only such values lack one
+UNINFERRED = "onnxopt.uninferred"
+
+
 class _Quiet(logging.Filter):
+    failed = False
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Shape inference failed")
+        if record.getMessage().startswith("Shape inference failed"):
+            self.failed = True
+            return False
+        return True
 
 
 _INFERENCE_LOG = logging.getLogger(common.ShapeInferencePass.__module__)
@@ -82,6 +92,10 @@ def infer_shapes(model: ir.Model) -> None:
         common.ShapeInferencePass()(model)
     finally:
         _INFERENCE_LOG.removeFilter(quiet)
+    if not quiet.failed:
+        for value in [*model.graph.inputs, *(o for node in model.graph for o in node.outputs)]:
+            if value.name and (value.dtype is None or value.shape is None):  # NOTE: an unnamed output, not inferred
+                value.meta[UNINFERRED] = True
 
 
 def _all_functions(fn: onnxscript.OnnxFunction) -> list[onnxscript.OnnxFunction]:

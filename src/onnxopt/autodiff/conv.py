@@ -72,7 +72,7 @@ def _average_pool(c):
     ones_kernel = c.Expand(c.const(1.0, dy), c.ints([1, 1, *kernel]))
     flat = divide_by_window_counts(c, flat, x, dy, ones_kernel, kernel, strides, pads, dilations, ceil, include)
     dx = _conv_transpose_to(c, flat, ones_kernel, x, r, strides=strides, pads=pads, dilations=dilations)
-    return [c.Reshape(dx, c.Shape(x))]
+    return [c.Reshape(dx, c.shape_of(x))]
 
 
 @rule("GlobalAveragePool", family=F)

@@ -116,10 +116,48 @@ class Ctx(_Op):
         return tensor.value.dtype if tensor is not None and tensor.type == ir.AttributeType.TENSOR else None
 
     def Shape(self, x: ir.Value, start: int | None = None, end: int | None = None) -> ir.Value:  # noqa: N802
-        """One Shape node per value and range (a Shape node even when ``x``'s shape is static: rules and the
-        engine's sums recognise ``Expand(0, Shape(x))``; constant folding folds it)."""
+        """One Shape node per value and range; a range of static sizes (``start`` or ``end`` given) is written as
+        their constant, which constant folding would make of the node (~0.2 ms a node, ~1 ms more for each Concat
+        of such constants). The whole shape stays a Shape node even when static: rules and the engine's sums
+        recognise ``Expand(0, Shape(x))``; constant folding folds it."""
+        if start is not None or end is not None:
+            sizes = list(x.shape)[start:end] if x.shape is not None else None  # NOTE: ONNX's clamped range
+            if sizes is not None and all(isinstance(d, int) for d in sizes):
+                return self.ints(sizes)
         attrs = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
         return self._reuse(("Shape", x, start, end), lambda: self.__getattr__("Shape")(x, **attrs))
+
+    def Concat(self, *xs: ir.Value, axis: int, **kwargs) -> ir.Value:  # noqa: N802
+        """A Concat of constant int64 vectors (shapes: ``ints``, static ``Shape`` ranges) is written as their
+        constant, as constant folding would leave it (it evaluates such a node in ONNX's reference
+        implementation, ~1 ms each); other Concats as they are."""
+        if axis == 0 and not kwargs:
+            parts = [_int_vector(x) for x in xs]
+            if xs and all(p is not None for p in parts):
+                return self.ints([v for p in parts for v in p])
+        return self.__getattr__("Concat")(*xs, axis=axis, **kwargs)
+
+    def ReduceProd(self, x: ir.Value, *axes: ir.Value, keepdims: int = 1, **kwargs) -> ir.Value:  # noqa: N802
+        """The product of a constant int64 vector (a static size) written as its constant, else the node."""
+        values = _int_vector(x) if not axes and not kwargs else None
+        if values is None:
+            return self.__getattr__("ReduceProd")(x, *axes, keepdims=keepdims, **kwargs)
+        n = int(np.prod(values, dtype=np.int64))
+        return self.ints([n]) if keepdims else self._reuse(("size", n),
+                                                           lambda: self._typed_constant(np.array(n, np.int64)))
+
+    def Cast(self, x: ir.Value, to: int, **kwargs) -> ir.Value:  # noqa: N802
+        """A constant int64 scalar or vector cast to float or double written as the constant it folds to."""
+        to = ir.DataType(to)
+        producer = x.producer()
+        tensor = producer.attributes.get("value") if producer is not None and producer.op_type == "Constant" \
+            and producer.domain in ("", "ai.onnx") and x.const_value is None and not kwargs else None
+        if tensor is not None and tensor.type == ir.AttributeType.TENSOR and to in (ir.DataType.FLOAT,
+                                                                                    ir.DataType.DOUBLE) \
+                and tensor.value.dtype == ir.DataType.INT64 and tensor.value.size <= 64:
+            array = tensor.value.numpy().astype(to.numpy())
+            return self._reuse(("cast", to, array.shape, array.tobytes()), lambda: self._typed_constant(array))
+        return self.__getattr__("Cast")(x, to=to, **kwargs)
 
     def Size(self, x: ir.Value) -> ir.Value:  # noqa: N802
         """``x``'s element count: a constant when its declared shape is static, else one Size node per value."""
@@ -332,6 +370,22 @@ def _index(rows: ir.Value) -> ir.Value:
     return node.inputs[0] if node is not None and node.op_type == "Cast" else rows
 
 
+def _int_vector(value: ir.Value | None) -> list[int] | None:
+    """The values of a 1-D int64 constant of at most 64 elements (an initializer's, a Constant node's), else None."""
+    if value is None:
+        return None
+    tensor, node = value.const_value, value.producer()
+    if tensor is None and node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+        attr = node.attributes.get("value_ints")
+        if attr is not None and attr.type == ir.AttributeType.INTS:
+            return [int(v) for v in attr.value]
+        attr = node.attributes.get("value")
+        tensor = attr.value if attr is not None and attr.type == ir.AttributeType.TENSOR else None
+    if tensor is None or tensor.dtype != ir.DataType.INT64 or len(tensor.shape) != 1 or tensor.size > 64:
+        return None
+    return [int(v) for v in tensor.numpy()]
+
+
 def _constant(value: ir.Value):
     """The value of a constant (an initializer's or a Constant node's) as an int or numpy array, else None."""
     tensor, node = value.const_value, value.producer()
@@ -459,7 +513,7 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
         if out in results or out.is_graph_input() or out.producer() is None or out.producer().op_type == "YieldOp":
             out = final.Identity(out)
         results.append(out)
-    backward += final.tape.nodes
+    backward = _read_only([*backward, *final.tape.nodes], set(results))
     for n in backward:
         n.metadata_props[REGION] = "backward"
     g.extend(backward)
@@ -470,6 +524,20 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
     g.outputs.clear()
     g.outputs.extend(results)
     return m
+
+
+def _read_only(nodes: list[ir.Node], results: set[ir.Value]) -> list[ir.Node]:
+    """``nodes`` without those no node reads and making none of ``results`` (the per-row scatters
+    ``_merge_scatters`` merged, and what only they read), their inputs released: they would reach the graph
+    for the dead-node pass after ``differentiate`` to walk and remove (T1: 25)."""
+    kept = []
+    for node in reversed(nodes):
+        if any(o in results or o.uses() for o in node.outputs):
+            kept.append(node)
+        else:
+            for i in range(len(node.inputs)):
+                node.replace_input_with(i, None)
+    return kept[::-1]
 
 
 def _output_grad(o: ir.Value, types: dict) -> ir.Value:
@@ -483,10 +551,21 @@ def _output_grad(o: ir.Value, types: dict) -> ir.Value:
 def _infer(m: ir.Model) -> tuple[dict, dict]:
     """(name -> dims, name -> element type) of every value by ONNX shape inference on a copy (not strict: the
     values after an op it cannot type stay unknown); the graph itself is left as the user wrote it. Nothing when
-    every value already has a type and a shape (the engine reads the dicts only for values lacking them)."""
-    if all(v.dtype is not None and v.shape is not None for v in m.graph.inputs) and \
-            all(o.dtype is not None and o.shape is not None for node in m.graph for o in node.outputs):
+    every value already has a type and a shape (the engine reads the dicts only for values lacking them); ranks
+    alone (``_propagate_ranks``) when the only values lacking one are those the inference before the rewrites
+    (``graphs.infer_shapes``, stronger) could not type (``graphs.UNINFERRED``: this one finds nothing for them
+    either) and the statistics outputs the rewrites gave LayerNormalization (the rule types them itself and reads
+    no shape of theirs): T1's attention, ~15 ms of serializing and inferring the whole model."""
+    from onnxopt.graphs import UNINFERRED
+
+    lacking = [v for v in [*m.graph.inputs, *(o for node in m.graph for o in node.outputs)]
+               if v.dtype is None or v.shape is None]
+    if not lacking:
         return {}, {}
+    if all(v.meta.get(UNINFERRED) or _layer_norm_statistics(v) for v in lacking):
+        dims: dict = {}
+        _propagate_ranks(m.graph, dims)
+        return dims, {}
     try:
         proto = onnx.shape_inference.infer_shapes(ir.to_proto(m), strict_mode=False)
     except Exception:  # noqa: BLE001 (a model over 2 GB: the rules then say which rank they lack)
@@ -500,6 +579,13 @@ def _infer(m: ir.Model) -> tuple[dict, dict]:
                 dims[v.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
     _propagate_ranks(m.graph, dims)
     return dims, types
+
+
+def _layer_norm_statistics(value: ir.Value) -> bool:
+    """Whether ``value`` is the unread Mean or InvStdDev output of a LayerNormalization node."""
+    node = value.producer()
+    return node is not None and node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx") and \
+        value.index() in (1, 2) and not value.uses() and not value.is_graph_output()
 
 
 _SAME_RANK = {"Transpose", "Pad", "Slice", "Cast", "CastLike", "Identity", "Neg", "Relu", "Sigmoid", "Tanh", "Exp",

@@ -28,7 +28,7 @@ def _sum_to(c, g, x, rank_g: int):
     axes = list(range(lead)) + [lead + k for k, d in enumerate(dims[:-2]) if d == 1]
     if axes:
         g = c.ReduceSum(g, c.ints(axes), keepdims=1)
-    return c.Reshape(g, c.Shape(x)) if lead or axes else g
+    return c.Reshape(g, c.shape_of(x)) if lead or axes else g
 
 
 @rule("MatMul", family=F)

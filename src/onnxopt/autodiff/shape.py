@@ -15,7 +15,7 @@ F = "shape/indexing"
 @rule("Reshape", "Flatten", "Squeeze", "Unsqueeze", family=F, inputs=(0,))
 def _reshape(c):
     """dx = dy reshaped to x's shape."""
-    return [c.Reshape(c.go(0), c.Shape(c.I(0)))]
+    return [c.Reshape(c.go(0), c.shape_of(c.I(0)))]
 
 
 @rule("Transpose", family=F)

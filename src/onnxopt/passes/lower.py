@@ -66,6 +66,13 @@ class _Op:
     def ints(self, values) -> ir.Value:
         return self.Constant(value_ints=[int(v) for v in values])
 
+    def shape_of(self, x: ir.Value) -> ir.Value:
+        """``x``'s shape as a Reshape target: its constant when static (what constant folding makes of the Shape
+        node, at a cost per node), else a Shape node."""
+        if x.shape is not None and all(isinstance(d, int) for d in x.shape):
+            return self.ints(list(x.shape))
+        return self.Shape(x)
+
     def wanted(self, i: int) -> bool:
         """Whether output ``i`` of the node exists and is read."""
         outs = self.node.outputs
@@ -343,7 +350,7 @@ def _conv_weight_grad(op, dy, x, w, r: int, kernel: list, channels: int, outputs
     # NOTE: windows × dYᵀ (C·K/g rows) runs 1.4× faster than dY × windowsᵀ (O/g rows) in onnxruntime 1.32
     per_sample = op.MatMul(cols, op.Transpose(dys, perm=[0, 1, 3, 2]))  # (N, g, C·K/g, O/g)
     dw = op.Transpose(op.ReduceSum(per_sample, op.ints([0]), keepdims=0), perm=[0, 2, 1])
-    return op.Reshape(dw, op.Shape(w))
+    return op.Reshape(dw, op.shape_of(w))
 
 
 def conv_grad(op, dy, x, w, kernel_shape=None, strides=None, pads=None, dilations=None, group: int = 1,
