@@ -236,9 +236,8 @@ class Runner:
     ``session_options`` overrides ``default_session_options`` (threads, optimization level), which
     ``batch_size`` (the usual batch length) tunes; the step's session is made for batches of that length
     (the batch axis fixed, up to ``MAX_SPECIALIZED_ROWS``), another length runs a second session made on first
-    use. A runner may be shared
-    between threads: its public methods hold a lock, so concurrent steps run one after the other and none is
-    lost.
+    use. A runner may be shared between threads: its public methods hold a lock, so concurrent steps run one
+    after the other and none is lost.
     """
 
     def __init__(self, step: TrainStep | str | os.PathLike, device: str = "cpu",

@@ -172,10 +172,10 @@ class Trainer:
         if rows is not None:  # NOTE: batches, the last one and validation rows would all need that length
             raise ModelError(f"model: {FIXED_BATCH.format(name=self.train_step_.inputs[0], rows=rows)}; Trainer needs "
                              f"batches of any length (Runner.step trains such a model on batches of {rows} rows)")
-        source = stream.as_stream(X)
-        rows = getattr(source, "rows", None) if source is not None else \
-            np.shape(X)[0] if X is not None and _in_memory(X) and np.ndim(X) else None
-        self.runner_ = self._make_runner(streamed=source is not None, rows=rows)
+        source = stream.as_stream(X)  # NOTE: the rows fit has: its batches are clipped to them
+        n = getattr(source, "rows", None) if source is not None else np.shape(X)[0] if _in_memory(X) and np.ndim(X) \
+            else None
+        self.runner_ = self._make_runner(streamed=source is not None, rows=n)
         self._loss = resolve_loss(loss) if loss is not None else None
         self._kind = _task(self._loss)
         self.n_iter_, self.train_losses_, self.validation_losses_ = 0, [], []
