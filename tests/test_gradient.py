@@ -263,11 +263,13 @@ def test_float64_concat_matches_finite_differences(rng):
     _check_weight_gradients(model, rng.normal(size=(6, 3)), rng)
 
 
-@pytest.mark.parametrize("rows, scatters", [((0, 1, 3), 1), ((0, 2, 0), 1), ((-1, 0, 2), 1), ((1,), 1)])
-def test_gathered_rows_gradient_is_one_scatter(rng, rows, scatters):
+@pytest.mark.parametrize("rows, n, scatters", [((0, 1, 3), 4, 1), ((0, 2, 0), 4, 1), ((-1, 0, 2), 4, 1), ((1,), 4, 1),
+                                               ((2, 1, 0), 3, 0), ((0, 1, 2), 4, 0)])
+def test_gathered_rows_gradient_is_one_scatter(rng, rows, n, scatters):
     """Rows of one weight gathered by scalar indices (an exporter's unpacking of packed q, k, v): their
-    gradients are written by one ScatterND, not one per row and a Sum; exact for distinct, repeated and
-    negative indices, and a row no Gather reads gets none."""
+    gradients are written by one ScatterND, not one per row and a Sum, and rows 0..k-1 (torch's q, k, v, in
+    any order) by a Concat; exact for distinct, repeated and negative indices, and a row no Gather reads gets
+    none."""
     nodes, parts = [], []
     for k, i in enumerate(rows):
         nodes += [oh.make_node("Constant", [], [f"i{k}"], value=numpy_helper.from_array(np.array(i, np.int64))),
@@ -278,7 +280,7 @@ def test_gathered_rows_gradient_is_one_scatter(rng, rows, scatters):
     graph = oh.make_graph(
         nodes, "rows", [oh.make_tensor_value_info("X", TensorProto.DOUBLE, ["N", 3])],
         [oh.make_tensor_value_info("Y", TensorProto.DOUBLE, ["N", 3 * len(rows)])],
-        [numpy_helper.from_array(rng.normal(size=(4, 3)), "W")])
+        [numpy_helper.from_array(rng.normal(size=(n, 3)), "W")])
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=10)
     fwd = Forward(model)
     X = rng.normal(size=(5, 3))
@@ -288,7 +290,7 @@ def test_gathered_rows_gradient_is_one_scatter(rng, rows, scatters):
     got = _run_gradient(grad_model, {"X": X, "W": fwd.weights["W"], "Y_grad": G})["W_grad"]
     expected = finite_differences(lambda w: float((fwd({"X": X}, w) * G).sum()), fwd.weights, ["W"])["W"]
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-8)
-    untouched = sorted(set(range(4)) - {i % 4 for i in rows})
+    untouched = sorted(set(range(n)) - {i % n for i in rows})
     assert not got[untouched].any()
 
 

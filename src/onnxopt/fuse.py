@@ -32,6 +32,7 @@ from onnxopt.passes.tie import retarget, tie_parameters
 from onnxopt.passes.modes import apply_mode, running_updates, split_statistics
 from onnxopt.passes.fuse_update import fuse_update
 from onnxopt.passes.kernels import optimizer_kernels
+from onnxopt.passes.products import transposes_into_products
 from onnxopt.passes.update import is_elementwise, multi_tensor, name_packs
 from onnxopt.rules import widen_float_constants
 from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
@@ -345,6 +346,7 @@ def compile_train_step(
     _finish(fused, ["loss", *out_names, STEP + NEW, *(n for _, n in buffers), *[v.name for v in prediction]],
             initial[names[0]].dtype)
     fuse_update(fused, kernels=not portable)
+    transposes_into_products(fused)
     name_packs(packs, splits)
     if portable:
         crops_as_slices(fused)

@@ -313,25 +313,37 @@ def _sum(tape_op: _Op, parts: list[ir.Value]) -> ir.Value:
 def _merge_scatters(tape_op: _Op, parts: list[ir.Value]) -> list[ir.Value]:
     """Parts that scatter-add one row each into zeros of the same shape (``Gather``'s gradient for a scalar
     index: the q, k and v an exporter gathers from one packed tensor) become one ScatterND of all the rows:
-    a write of the tensor instead of a zero-filled copy per part and their sum. Exact: the scatter adds."""
+    a write of the tensor instead of a zero-filled copy per part and their sum; the rows' Concat when they are
+    rows 0..n-1. Exact: the scatter adds."""
     groups: dict[ir.Value, list[int]] = {}
     for k, p in enumerate(parts):
         source = _row_scatter(p)
         if source is not None:
             groups.setdefault(source, []).append(k)
     merged = {}
-    for ks in groups.values():
+    for source, ks in groups.items():
         if len(ks) < 2:
             continue
         nodes = [parts[k].producer() for k in ks]
         first = tape_op.ints([0])
         known = [_constant(_index(n.inputs[1])) for n in nodes]
-        updates = tape_op.Concat(*[tape_op.Unsqueeze(n.inputs[2], first) for n in nodes], axis=0)
-        if all(i is not None and i >= 0 for i in known) and len(set(known)) == len(known):
+        if sorted(known, key=lambda i: -1 if i is None else i) == list(range(len(known))):
+            # NOTE: rows 0..n-1 once each: the rows in order, then zeros for any rows after them (none when the
+            # tensor has n rows), instead of a scatter over a zero-filled copy (T1: ~0.1 ms a layer)
+            rows = [tape_op.Unsqueeze(nodes[known.index(i)].inputs[2], first) for i in range(len(known))]
+            dims = tape_op.dims(source)
+            if not dims or dims[0] != len(known):
+                rest = tape_op.Sub(tape_op.Shape(source, start=0, end=1), tape_op.ints([len(known)]))
+                zero = nodes[0].inputs[0].producer().inputs[0]
+                rows.append(tape_op.Expand(zero, tape_op.Concat(rest, tape_op.Shape(source, start=1), axis=0)))
+            merged[ks[0]] = tape_op.Concat(*rows, axis=0)
+        elif all(i is not None and i >= 0 for i in known) and len(set(known)) == len(known):
             # NOTE: distinct constant rows: a plain write (onnxruntime adds element by element, copies rows)
             rows = tape_op.Constant(value=ir.tensor(np.array(known, np.int64).reshape(-1, 1)))
+            updates = tape_op.Concat(*[tape_op.Unsqueeze(n.inputs[2], first) for n in nodes], axis=0)
             merged[ks[0]] = tape_op.ScatterND(nodes[0].inputs[0], rows, updates)
         else:
+            updates = tape_op.Concat(*[tape_op.Unsqueeze(n.inputs[2], first) for n in nodes], axis=0)
             rows = tape_op.Concat(*[tape_op.Unsqueeze(n.inputs[1], first) for n in nodes], axis=0)
             merged[ks[0]] = tape_op.ScatterND(nodes[0].inputs[0], rows, updates, reduction="add")
         merged.update({k: None for k in ks[1:]})

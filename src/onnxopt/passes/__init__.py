@@ -7,6 +7,7 @@
 - ``update``: multi-tensor updates (one elementwise rule over all weights concatenated) and the Runner's
   flat layout of them;
 - ``fuse_update``: rewrite rules folding the update into the kernels around it (SGD into the gradient Gemm).
+- ``products``: a Transpose of a matrix product moved onto its operands, where it cancels or fuses into it;
 - ``kernels``: built-in update rules run by onnxruntime-training's optimizer kernels (non-portable steps);
 - ``batch``: the Runner's CPU model specialized for how it feeds a batch (targets, sample weights);
 - ``epoch``: that model as the body of an ONNX Scan over an epoch's batches (``Runner.epoch``).
