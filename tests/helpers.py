@@ -26,6 +26,24 @@ def importorskip(name: str):
     return pytest.importorskip(name)
 
 
+# NOTE: the peak RSS of the process running it (VmHWM); ru_maxrss would start from the parent's, kept across fork
+# and exec. A script run by ``run_script`` defines ``peak()`` with it.
+PEAK = 'peak = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024'
+
+
+def run_script(script: str, *args: str) -> str:
+    """Runs ``script`` (after ``PEAK``) in a fresh Python with this test run's import path; returns its stdout."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", PEAK + "\n" + script, *args], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def session(model) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.log_severity_level = 3

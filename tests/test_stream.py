@@ -1,8 +1,6 @@
 """Streamed training data (onnxopt.stream): every source trains as the same arrays in memory do."""
 
 import os
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -12,6 +10,7 @@ import onnxopt
 from onnxopt import stream
 from onnxopt.errors import DataError
 from onnxopt.examples import mlp
+from helpers import run_script
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -246,8 +245,6 @@ def test_prefetch_reads_ahead_and_raises_the_source_error():
 _RSS = """
 import sys, numpy as np, onnxopt, pyarrow.dataset  # NOTE: pyarrow's own code (~50 MB) counted before
 from onnxopt.examples import mlp
-# NOTE: the peak RSS of this process (VmHWM); ru_maxrss would start from the parent's, kept across fork and exec
-peak = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
 est = onnxopt.Trainer(mlp([100, 50, 10, 1]), batch_size=256, max_iter=1, tol=None, warm_start=True)
 est.fit(np.zeros((512, 100), np.float32), np.zeros(512, np.float32))  # NOTE: sessions and imports counted before
 before = peak()
@@ -266,10 +263,7 @@ def test_parquet_fit_peak_rss_is_bounded(tmp_path):
         for _ in range(30):  # NOTE: 30 × 8000 rows × 100 float32 = 96 MB, never all in memory here either
             X = rng.normal(size=(8000, 100)).astype(np.float32)
             writer.write_table(_table_wide(X, X[:, 0]), row_group_size=4000)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    out = subprocess.run([sys.executable, "-c", _RSS, str(path)], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    grown, epochs = out.stdout.split()
+    grown, epochs = run_script(_RSS, str(path)).split()
     assert int(epochs) == 2 and int(grown) < 64e6, f"peak RSS grew by {int(grown) / 1e6:.1f} MB"
 
 

@@ -2,8 +2,6 @@
 
 import os
 import re
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -21,7 +19,7 @@ from sklearn.utils.validation import check_is_fitted
 
 import onnxopt
 from onnxopt.examples import linear_regression, mlp
-from helpers import session
+from helpers import run_script, session
 
 
 @pytest.fixture
@@ -390,7 +388,6 @@ def test_batch_size_larger_than_the_data_is_clipped_with_a_warning(data):
 _HUGE_BATCH = """
 import sys, numpy as np, onnxopt
 from onnxopt.examples import linear_regression
-peak = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
 X, y = np.zeros((8, 3)), np.zeros(8)
 onnxopt.Trainer(linear_regression(3, dtype=np.float64), batch_size=8, max_iter=1).fit(X, y)  # NOTE: imports, sessions
 before = peak()
@@ -410,11 +407,8 @@ def test_a_huge_batch_size_allocates_nothing_for_it(caller):
     per-row constants at that length (+800 MB on onnxruntime 1.32, +2.4 GB on 1.19; test_fuzz's 10**9 took 23 GB
     and the OOM killer). Now the Trainer makes its sessions for the rows it has, and the Runner specializes for
     at most 65,536 rows."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _HUGE_BATCH, caller], capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert int(out.stdout.split()[-1]) < 200e6, f"peak RSS grew by {int(out.stdout.split()[-1]) / 1e6:.0f} MB"
+    grown = int(run_script(_HUGE_BATCH, caller).split()[-1])
+    assert grown < 200e6, f"peak RSS grew by {grown / 1e6:.0f} MB"
 
 
 def test_classifier_label_errors(data):
