@@ -54,12 +54,13 @@ def _product(value: ir.Value, rank: int) -> tuple[ir.Node, ir.Node | None] | Non
     return None
 
 
-def _transposed(tape: ir.tape.Tape, value: ir.Value) -> ir.Value:
+def _transposed(tape: ir.tape.Tape, value: ir.Value, meta: dict) -> ir.Value:
     """``value`` with its last two axes swapped: the input of a Transpose that swapped them, else a Transpose."""
     node = value.producer()
     if _swaps(node):
         return node.inputs[0]
-    return tape.op("Transpose", [value], {"perm": ir.AttrInt64s("perm", _swap(len(value.shape)))})
+    return tape.op("Transpose", [value], {"perm": ir.AttrInt64s("perm", _swap(len(value.shape)))},
+                   metadata_props=dict(meta))
 
 
 def transposes_into_products(model: ir.Model) -> int:
@@ -76,10 +77,10 @@ def transposes_into_products(model: ir.Model) -> int:
         a, b = matmul.inputs
         if a.shape is None or b.shape is None or min(len(a.shape), len(b.shape)) < 2:
             continue
-        tape = ir.tape.Tape()
-        out = tape.op("MatMul", [_transposed(tape, b), _transposed(tape, a)])
+        tape, meta = ir.tape.Tape(), dict(node.metadata_props)  # NOTE: the region (backward, ...) it stood in
+        out = tape.op("MatMul", [_transposed(tape, b, meta), _transposed(tape, a, meta)], metadata_props=dict(meta))
         if mul is not None:
-            out = tape.op("Mul", [out if v is matmul.outputs[0] else v for v in mul.inputs])
+            out = tape.op("Mul", [out if v is matmul.outputs[0] else v for v in mul.inputs], metadata_props=dict(meta))
         old = node.outputs[0]
         out.name, out.type, out.shape = (old.name if old.is_graph_output() else None), old.type, old.shape
         graph.insert_before(node, tape.nodes)
