@@ -45,6 +45,10 @@ _NON_WEIGHT_SLOTS = {
 _FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
 _TEMPORARY = re.compile(r"val_\d+")
 _TRIG = re.compile(r"(cos|sin)(_\d+)?")
+# NOTE: the dynamo exporter records what each lifted input of torch.export was: a registered buffer or a
+# tensor constant of forward is never trained by torch (only PARAMETER is), whatever op reads it
+_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
+_NOT_PARAMETER = {"BUFFER", "CONSTANT_TENSOR"}
 _UNREACHABLE = re.compile(r"partial derivative for '([^']+)' as it's unreachable")
 _MISSING = re.compile(r"gradient builder has not been registered:\s*(\S+?)(?: for node (\S*))?\s*$", re.M)
 
@@ -70,10 +74,12 @@ def _is_folded_constant(value: ir.Value, computed: set[str]) -> bool:
 
 def _is_weight(value: ir.Value, computed: set[str] = frozenset()) -> bool:
     """A float initializer read as a parameter: not 0-d (exporters' folded scalars: GELU's √2, a scale, a
-    beta), not a dynamo-folded constant, not a ±1 complement, with no infinite or NaN value (an attention mask
+    beta), not a dynamo-folded constant, not a buffer or tensor constant of a dynamo export, not a ±1 complement, with no infinite or NaN value (an attention mask
     of 0 and -inf both exporters fold from a boolean ``attn_mask``), and read at least once outside the slots
     of ``_NON_WEIGHT_SLOTS``."""
     if value.const_value is None or value.dtype not in FLOAT_TYPES:
+        return False
+    if value.metadata_props.get(_INPUT_KIND) in _NOT_PARAMETER:
         return False
     uses = list(value.uses())
     if not uses or value.shape is None or value.shape.rank() == 0 or _is_unit_constant(value, uses) \
@@ -186,7 +192,8 @@ def _weight_names(m: ir.Model) -> list[str]:
 def train_initializers(model: ModelLike) -> dict[str, np.ndarray]:
     """Returns the real weights of ``model``: float initializers except those read only as shapes, axes,
     indices, bounds, BatchNormalization statistics, Dropout ratios, Pow exponents, comparison operands or
-    RNN initial states, 0-d scalars, tensors holding an infinite or NaN value (attention masks), constants the
+    RNN initial states, 0-d scalars, the registered buffers and tensor constants a dynamo export marks as such,
+    tensors holding an infinite or NaN value (attention masks), constants the
     dynamo exporter folded from its temporaries, one-element ±1 constants read only as ``1 - x`` or ``x·(±1)``,
     and in skl2onnx models the constants of feature-wise Sub/Div/Mul/Add on the raw inputs or columns of them
     (scalers' statistics, a ColumnTransformer's), a decomposition's components (PCA, TruncatedSVD) and an
