@@ -313,3 +313,42 @@ def test_csv_boolean_features_read_as_parquet_reads_them(tmp_path, monkeypatch):
     X, y = load_data("d.csv", "price")
     np.testing.assert_array_equal(X, [[1.5, 1.0], [-2.0, 0.0], [0.25, 1.0]])
     np.testing.assert_array_equal(y, [1.0, 2.0, 3.0])
+
+
+def test_csv_features_pick_and_order_the_columns(files, capsys):
+    """--features on a CSV was ignored: every column but the target was read, whatever it named. It now picks
+    the model's columns in its order (the weights then follow that order), as for a Parquet DATA."""
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(300, 3))
+    with open("wide.csv", "w", newline="") as f:  # NOTE: an extra column 'noise' the model does not read
+        writer = csv.writer(f)
+        writer.writerow(["b", "noise", "a", "price"])
+        writer.writerows(np.column_stack([X[:, 1], X[:, 2], X[:, 0], X[:, :2] @ COEF + 1.0]).tolist())
+    argv = ["fit", "model.onnx", "wide.csv", "--target", "price", "--epochs", "200", "--lr", "0.05", "--quiet",
+            "--validation-fraction", "0", "-o", "t.onnx"]
+    assert main([*argv, "--features", "a,b"]) == 0
+    coef = onnx.numpy_helper.to_array(next(t for t in onnx.load("t.onnx").graph.initializer if t.name == "coef"))
+    np.testing.assert_allclose(coef.ravel(), COEF, atol=0.05)  # NOTE: a,b in the model's order, not the file's
+    capsys.readouterr()
+    assert main(argv) == 2  # NOTE: three feature columns for a model of two: named, with --features as the fix
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "from the 3 feature columns ['b', 'noise', 'a']" in err and "--features" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["wide.csv", "--features", "a,zz"], "--features: expected distinct columns of 'wide.csv' ['a', 'b', 'price'] "
+                                         "other than --target 'price', got ['a', 'zz'] (['zz'] not among them)"),
+    (["wide.csv", "--features", "a,price"], "(the target among them)"),
+    (["wide.csv", "--features", "a"], "got shape (3, 1) from the 1 --features columns ['a']"),
+    (["data.npz", "--features", "a,b"], "--features: names columns of a .csv or Parquet DATA, got 'data.npz'"),
+    (["nan_target.csv"], "line 3, column 'price' (--target): expected a number or a class label, got a missing "
+                         "value"),
+    (["text_target.csv"], "column 'price' (--target) holds 'n/a' in data row 2"),
+])
+def test_csv_features_and_target_errors_are_one_line(files, capsys, argv, message):
+    open("wide.csv", "w").write("a,b,price\n1,2,3\n4,5,6\n7,8,9\n")
+    open("nan_target.csv", "w").write("a,b,price\n1,2,3\n4,5,\n7,8,9\n")  # NOTE: pandas writes NaN as nothing
+    open("text_target.csv", "w").write("a,b,price\n1,2,3\n4,5,n/a\n7,8,9\n")
+    assert main(["fit", "model.onnx", argv[0], "--target", "price", "-o", "t.onnx", *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err

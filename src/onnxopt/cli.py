@@ -151,15 +151,19 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 # -- fit --------------------------------------------------------------------------------------------------
-def load_data(path: str, target: str | None) -> tuple[np.ndarray, np.ndarray]:
-    """Reads (X, y) from a .npz (arrays ``X`` and ``target`` or ``y``) or a .csv with a header row; a Parquet
-    file or folder is returned as ``(path, None)``, streamed by the Trainer (``onnxopt.stream``)."""
+def load_data(path: str, target: str | None, features: list[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Reads (X, y) from a .npz (arrays ``X`` and ``target`` or ``y``) or a .csv with a header row (``features``
+    names its feature columns, in the model's order; default: every column but ``target``); a Parquet file or
+    folder is returned as ``(path, None)``, streamed by the Trainer (``onnxopt.stream``)."""
     if os.path.isdir(path) or path.lower().endswith(".parquet"):
         if target is None:
             raise _Fail(f"--target: a Parquet DATA needs its target column named, got none for {path!r}")
         return _check_exists(path, "DATA") if os.path.isfile(path) else path, None
     _check_exists(path, "DATA")
     if _check_ext(path, (".npz", ".csv"), "DATA").lower().endswith(".npz"):
+        if features is not None:  # NOTE: silently ignored, it would train on every column of X
+            raise _Fail(f"--features: names columns of a .csv or Parquet DATA, got {path!r}, whose X has none "
+                        "(select the columns of X before saving it)")
         with np.load(path) as arrays:
             name = target or "y"
             missing = [k for k in ("X", name) if k not in arrays.files]
@@ -181,16 +185,47 @@ def load_data(path: str, target: str | None) -> tuple[np.ndarray, np.ndarray]:
         if len(row) != len(header):
             raise DataError(f"DATA: {path!r} line {i} has {len(row)} values, expected {len(header)} like the header")
     col = header.index(target)
-    features = [k for k in range(len(header)) if k != col]
+    named = features is not None
+    if not named:
+        features = [k for k in range(len(header)) if k != col]
+    else:  # NOTE: it was ignored for a CSV, which then trained on every column but the target
+        unknown = [name for name in features if name not in header]
+        if unknown or target in features or len(set(features)) != len(features):
+            what = f"{unknown} not among them" if unknown else \
+                "the target among them" if target in features else "names repeated"
+            raise DataError(f"--features: expected distinct columns of {path!r} {header} other than --target "
+                            f"{target!r}, got {features} ({what})")
+        features = [header.index(name) for name in features]
+    empty = next((i for i, row in lines if not row[col].strip()), None)
+    if empty is not None:  # NOTE: else read as a class label "" and refused as text by a regression
+        raise DataError(f"DATA: {path!r} line {empty}, column {target!r} (--target): expected a number or a class "
+                        "label, got a missing value (fill or drop it, e.g. pandas' fillna/dropna)")
     try:
         X = np.array([[_number(row[k]) for k in features] for _, row in lines], dtype=np.float64)
     except ValueError:
         i, k, v = next((i, k, row[k]) for i, row in lines for k in features if not _is_number(row[k]))
         what = "a missing value (fill or drop it, e.g. pandas' fillna/dropna)" if not v.strip() else repr(v)
-        raise DataError(f"DATA: {path!r} line {i}, column {header[k]!r}: expected a number or True/False (every "
-                        f"column but --target is a feature), got {what}") from None
+        which = "a --features column" if named else "every column but --target is a feature"
+        raise DataError(f"DATA: {path!r} line {i}, column {header[k]!r}: expected a number or True/False "
+                        f"({which}), got {what}") from None
     labels = [row[col].strip() for _, row in lines]  # NOTE: numbers, or a classifier's labels as they are
     return X, np.array([_number(v) for v in labels], np.float64) if all(map(_is_number, labels)) else np.array(labels)
+
+
+def _csv_hint(message: str, args: argparse.Namespace, X: np.ndarray, y: np.ndarray, features) -> str:
+    """A Trainer's DataError on arrays read from a CSV, with the columns or the value it is about."""
+    if message.startswith("X: expected") and "values on axis 1" in message:
+        if features is not None:
+            return f"{message} from the {len(features)} --features columns {features}"
+        with open(args.data, newline="", encoding="utf-8") as f:
+            header = [h.strip() for h in next(csv.reader(f))]
+        columns = [h for h in header if h != args.target]
+        return f"{message} from the {len(columns)} feature columns {columns} (name the model's with --features)"
+    if message.startswith("y: expected numbers") and y.dtype.kind in "USO":
+        j = next((j for j, v in enumerate(y) if not _is_number(str(v))), None)
+        if j is not None:
+            return f"{message}: column {args.target!r} (--target) holds {str(y[j])!r} in data row {j + 1}"
+    return message
 
 
 _BOOLEANS = {"true": 1.0, "false": 0.0}  # NOTE: what pandas writes for a bool column (Parquet keeps it boolean)
@@ -219,7 +254,8 @@ def _fit(args: argparse.Namespace) -> int:
     if args.checkpoint:
         atomic.check_writable(args.checkpoint, "--checkpoint", folder=True)
     _check_exists(args.model, "MODEL")
-    X, y = load_data(args.data, args.target)  # NOTE: the Trainer casts them to the model's dtype
+    features = args.features.split(",") if args.features else None
+    X, y = load_data(args.data, args.target, features)  # NOTE: the Trainer casts them to the model's dtype
     if args.workers < 1:
         raise _Fail(f"--workers: expected an integer >= 1, got {args.workers}")
     if not 0 <= args.validation_fraction < 1:
@@ -242,13 +278,16 @@ def _fit(args: argparse.Namespace) -> int:
                   early_stopping=args.validation_fraction > 0, validation_fraction=args.validation_fraction or 0.1,
                   scale={"auto": "auto", "always": True, "never": False}[args.scale], **kwargs)
     t0 = time.perf_counter()
-    features = args.features.split(",") if args.features else None
     if y is None:  # NOTE: opened once (the Trainer reads a small source whole and trains it as arrays)
         X = as_stream(X, features=features, target=args.target)
     try:
-        est.fit(X, y, features=features, target=args.target)
+        est.fit(X, y, features=features if y is None else None, target=args.target if y is None else None)
     except CheckpointError as exc:
         raise _Fail(f"{exc}; use a new --checkpoint folder for another model or optimizer") from exc
+    except DataError as exc:  # NOTE: arrays from a CSV: name its columns, as a Parquet DATA's errors do
+        if y is None or not args.data.lower().endswith(".csv"):
+            raise
+        raise DataError(_csv_hint(str(exc), args, X, y, features)) from exc
     seconds = time.perf_counter() - t0
     if y is None and X.small:  # NOTE: read again for the metrics below
         X, y, _ = X.read_all()
@@ -488,7 +527,7 @@ def _parser() -> argparse.ArgumentParser:
 
     fit = sub.add_parser("fit", formatter_class=_Formatter, help="train a model on .npz, .csv or Parquet data",
                          description="Train MODEL on DATA: a .npz with arrays X and y, a .csv with a header "
-                                     "(every column but --target is a feature), or a Parquet file or folder, "
+                                     "(every column but --target is a feature, or the --features), or a Parquet file or folder, "
                                      "streamed with bounded memory (--target, --features name its columns).",
                          epilog="examples:\n  onnxopt fit model.onnx data.npz -o trained.onnx\n"
                                 "  onnxopt fit model.onnx data.parquet --target y --workers 2 -o trained.onnx\n"
@@ -514,8 +553,8 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--checkpoint", metavar="DIR", default=None,
                      help="save a checkpoint each epoch and resume from it when present")
     fit.add_argument("--quiet", action="store_true", help="no progress bar")
-    fit.add_argument("--features", default=None, help="comma-separated feature columns of a Parquet DATA "
-                     "(default: every column but --target)")
+    fit.add_argument("--features", default=None, help="comma-separated feature columns of a .csv or Parquet "
+                     "DATA, in the model's order (default: every column but --target)")
     fit.add_argument("--workers", type=int, default=1, help="local ranks training data-parallel on "
                      "torch.distributed (gloo); --batch-size stays the global batch")
     fit.add_argument("--timeout", type=float, default=300.0,
