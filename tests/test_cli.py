@@ -344,11 +344,14 @@ def test_csv_features_pick_and_order_the_columns(files, capsys):
     (["nan_target.csv"], "line 3, column 'price' (--target): expected a number or a class label, got a missing "
                          "value"),
     (["text_target.csv"], "column 'price' (--target) holds 'n/a' in data row 2"),
+    (["inf.csv"], "DATA: 'inf.csv' data row 3, column 'b': expected a finite number, got inf"),
+    (["inf.csv", "--features", "b,a"], "DATA: 'inf.csv' data row 3, column 'b': expected a finite number, got inf"),
 ])
 def test_csv_features_and_target_errors_are_one_line(files, capsys, argv, message):
     open("wide.csv", "w").write("a,b,price\n1,2,3\n4,5,6\n7,8,9\n")
     open("nan_target.csv", "w").write("a,b,price\n1,2,3\n4,5,\n7,8,9\n")  # NOTE: pandas writes NaN as nothing
     open("text_target.csv", "w").write("a,b,price\n1,2,3\n4,5,n/a\n7,8,9\n")
+    open("inf.csv", "w").write("a,b,price\n1,2,3\n4,5,6\n7,inf,9\n")  # NOTE: named by its index in X before
     assert main(["fit", "model.onnx", argv[0], "--target", "price", "-o", "t.onnx", *argv[1:]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err

@@ -103,6 +103,11 @@ def test_parquet_edges(streamed, model, tmp_path, capsys, monkeypatch):
         assert code == 0 and "on 240 samples" in text, text
     code, text = run(df.assign(b=df.b.where(df.index != 7)))  # NOTE: pandas writes the int column as doubles
     assert code == 2 and "column 'b': 1 null value(s)" in text, text
+    code, text = run(df.assign(c=np.where(df.index == 150, np.inf, df.c)), "--batch-size", "16")
+    # NOTE: an infinity was named by its index in a shuffled block (and the Python allow_nan=True as the fix)
+    assert code == 2 and "column 'c': inf in row 150 (row group 0); expected finite values" in text, text
+    code, text = run(df.assign(y=np.where(df.index == 9, np.nan, df.y)), name="nan_y.parquet")
+    assert code == 2 and "column 'y': 1 null value(s)" in text, text  # NOTE: pandas writes NaN as a null
     code, text = run(df, "--features", "a,zz,c")
     assert code == 2 and "features: expected column(s) of ['a', 'b', 'c', 'y'" in text and "'zz'" in text, text
     code, text = run(df.assign(c=df.c.astype(str)))

@@ -221,6 +221,14 @@ def _csv_hint(message: str, args: argparse.Namespace, X: np.ndarray, y: np.ndarr
             header = [h.strip() for h in next(csv.reader(f))]
         columns = [h for h in header if h != args.target]
         return f"{message} from the {len(columns)} feature columns {columns} (name the model's with --features)"
+    if message.startswith(("X: expected finite values", "y: expected finite values")):
+        with open(args.data, newline="", encoding="utf-8") as f:
+            header = [h.strip() for h in next(csv.reader(f))]
+        names = (features or [h for h in header if h != args.target]) if message[0] == "X" else [args.target]
+        arr = np.asarray(X if message[0] == "X" else y, np.float64).reshape(len(X), -1)
+        i, j = (int(v) for v in np.argwhere(~np.isfinite(arr))[0])
+        return (f"DATA: {args.data!r} data row {i + 1}, column {names[j]!r}: expected a finite number, got "
+                f"{arr[i, j]} (replace or drop that row)")
     if message.startswith("y: expected numbers") and y.dtype.kind in "USO":
         j = next((j for j, v in enumerate(y) if not _is_number(str(v))), None)
         if j is not None:

@@ -220,8 +220,10 @@ class _Parquet(_Chunks):
         else:
             yield from self.pieces[k].to_batches(columns=self.columns, batch_size=rows, use_threads=False)
 
+    finite = False  # NOTE: set by Trainer.fit (not allow_nan): NaN/inf refused here, where the row is known
+
     def _read(self, k: int, rows: int):
-        nf = len(self.features)
+        nf, start = len(self.features), self.offsets[k]
         for rb in self._batches(k, self.read_rows):
             nulls = [c for c, col in zip(self.columns, rb.columns) if col.null_count]
             if nulls:
@@ -231,7 +233,21 @@ class _Parquet(_Chunks):
             cols = [_column(rb.column(i), self.columns[i]) for i in range(0 if X is None else nf, rb.num_columns)]
             if X is None:
                 X, cols = cols[0] if nf == 1 else np.hstack(cols[:nf]), cols[nf:]
+            if self.finite:
+                self._check_finite(X, cols[0], k, start)
+            start += rb.num_rows
             yield X, cols[0][:, 0] if cols[0].shape[1] == 1 else cols[0], cols[1][:, 0] if self.weighted else None
+
+    def _check_finite(self, X: np.ndarray, y: np.ndarray, k: int, start: int) -> None:
+        """Raises DataError naming the column and the row (its position in the source) of a NaN or infinity."""
+        for arr, names in ((X, self.features), (y, [self.columns[len(self.features)]])):
+            if arr.dtype.kind != "f" or np.isfinite(arr).all():
+                continue
+            i, j = (int(v) for v in np.argwhere(~np.isfinite(arr.reshape(len(arr), -1)))[0])
+            name = names[j] if len(names) == arr.reshape(len(arr), -1).shape[1] else names[0] if len(names) == 1 \
+                else f"feature value {j}"
+            raise DataError(f"column {name!r}: {arr.reshape(len(arr), -1)[i, j]} in row {start + i} (row group {k}); "
+                            "expected finite values (replace or drop that row)")
 
 
 def _bits(t) -> int:

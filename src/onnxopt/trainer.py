@@ -297,6 +297,8 @@ class Trainer:
         epoch (at most every ``stream.CHECKPOINT_SECONDS``), and a fit resumed from it continues mid-epoch.
         """
         data = stream.as_stream(X, y, sample_weight, features, target)
+        if isinstance(data, stream._Parquet):  # NOTE: checked as read: the error names the column and the row
+            data.finite = not self.allow_nan
         self._columns = data.features if getattr(data, "scalars", False) else None  # NOTE: named in X's errors
         if data is not None and data.small:  # NOTE: read whole, trained as arrays (split, scaling, shuffle)
             X, y, sample_weight = data.read_all()
