@@ -214,26 +214,24 @@ def load_data(path: str, target: str | None, features: list[str] | None = None) 
 
 def _csv_hint(message: str, args: argparse.Namespace, X: np.ndarray, y: np.ndarray, features) -> str:
     """A Trainer's DataError on arrays read from a CSV, with the columns or the value it is about."""
-    if message.startswith("X: expected") and "values on axis 1" in message:
-        if features is not None:
-            return f"{message} from the {len(features)} --features columns {features}"
-        with open(args.data, newline="", encoding="utf-8") as f:
-            header = [h.strip() for h in next(csv.reader(f))]
-        columns = [h for h in header if h != args.target]
-        return f"{message} from the {len(columns)} feature columns {columns} (name the model's with --features)"
-    if message.startswith(("X: expected finite values", "y: expected finite values")):
-        with open(args.data, newline="", encoding="utf-8") as f:
-            header = [h.strip() for h in next(csv.reader(f))]
-        names = (features or [h for h in header if h != args.target]) if message[0] == "X" else [args.target]
-        arr = np.asarray(X if message[0] == "X" else y, np.float64).reshape(len(X), -1)
-        i, j = (int(v) for v in np.argwhere(~np.isfinite(arr))[0])
-        return (f"DATA: {args.data!r} data row {i + 1}, column {names[j]!r}: expected a finite number, got "
-                f"{arr[i, j]} (replace or drop that row)")
     if message.startswith("y: expected numbers") and y.dtype.kind in "USO":
         j = next((j for j, v in enumerate(y) if not _is_number(str(v))), None)
-        if j is not None:
-            return f"{message}: column {args.target!r} (--target) holds {str(y[j])!r} in data row {j + 1}"
-    return message
+        return message if j is None else \
+            f"{message}: column {args.target!r} (--target) holds {str(y[j])!r} in data row {j + 1}"
+    wide = message.startswith("X: expected") and "values on axis 1" in message
+    if not wide and not message.startswith(("X: expected finite values", "y: expected finite values")):
+        return message
+    if features is None:
+        with open(args.data, newline="", encoding="utf-8") as f:
+            columns = [h for h in (h.strip() for h in next(csv.reader(f))) if h != args.target]
+    if wide:
+        return f"{message} from the {len(features)} --features columns {features}" if features is not None else \
+            f"{message} from the {len(columns)} feature columns {columns} (name the model's with --features)"
+    names = (features or columns) if message[0] == "X" else [args.target]
+    arr = np.asarray(X if message[0] == "X" else y, np.float64).reshape(len(X), -1)
+    i, j = (int(v) for v in np.argwhere(~np.isfinite(arr))[0])
+    return (f"DATA: {args.data!r} data row {i + 1}, column {names[j]!r}: expected a finite number, got "
+            f"{arr[i, j]} (replace or drop that row)")
 
 
 _BOOLEANS = {"true": 1.0, "false": 0.0}  # NOTE: what pandas writes for a bool column (Parquet keeps it boolean)

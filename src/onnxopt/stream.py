@@ -243,10 +243,10 @@ class _Parquet(_Chunks):
         for arr, names in ((X, self.features), (y, [self.columns[len(self.features)]])):
             if arr.dtype.kind != "f" or np.isfinite(arr).all():
                 continue
-            i, j = (int(v) for v in np.argwhere(~np.isfinite(arr.reshape(len(arr), -1)))[0])
-            name = names[j] if len(names) == arr.reshape(len(arr), -1).shape[1] else names[0] if len(names) == 1 \
-                else f"feature value {j}"
-            raise DataError(f"column {name!r}: {arr.reshape(len(arr), -1)[i, j]} in row {start + i} (row group {k}); "
+            flat = arr.reshape(len(arr), -1)
+            i, j = (int(v) for v in np.argwhere(~np.isfinite(flat))[0])
+            name = names[j] if len(names) == flat.shape[1] else names[0] if len(names) == 1 else f"feature value {j}"
+            raise DataError(f"column {name!r}: {flat[i, j]} in row {start + i} (row group {k}); "
                             "expected finite values (replace or drop that row)")
 
 
