@@ -346,12 +346,14 @@ def test_csv_features_pick_and_order_the_columns(files, capsys):
     (["text_target.csv"], "column 'price' (--target) holds 'n/a' in data row 2"),
     (["inf.csv"], "DATA: 'inf.csv' data row 3, column 'b': expected a finite number, got inf"),
     (["inf.csv", "--features", "b,a"], "DATA: 'inf.csv' data row 3, column 'b': expected a finite number, got inf"),
+    (["huge.csv"], "DATA: 'huge.csv' data row 2, column 'a': 1e+39 is infinite as the model's float32"),
 ])
 def test_csv_features_and_target_errors_are_one_line(files, capsys, argv, message):
     open("wide.csv", "w").write("a,b,price\n1,2,3\n4,5,6\n7,8,9\n")
     open("nan_target.csv", "w").write("a,b,price\n1,2,3\n4,5,\n7,8,9\n")  # NOTE: pandas writes NaN as nothing
     open("text_target.csv", "w").write("a,b,price\n1,2,3\n4,5,n/a\n7,8,9\n")
     open("inf.csv", "w").write("a,b,price\n1,2,3\n4,5,6\n7,inf,9\n")  # NOTE: named by its index in X before
+    open("huge.csv", "w").write("a,b,price\n1,2,3\n1e39,5,6\n7,8,9\n")  # NOTE: finite as read: a traceback before
     assert main(["fit", "model.onnx", argv[0], "--target", "price", "-o", "t.onnx", *argv[1:]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err

@@ -229,7 +229,15 @@ def _csv_hint(message: str, args: argparse.Namespace, X: np.ndarray, y: np.ndarr
             f"{message} from the {len(columns)} feature columns {columns} (name the model's with --features)"
     names = (features or columns) if message[0] == "X" else [args.target]
     arr = np.asarray(X if message[0] == "X" else y, np.float64).reshape(len(X), -1)
-    i, j = (int(v) for v in np.argwhere(~np.isfinite(arr))[0])
+    bad = np.argwhere(~np.isfinite(arr))
+    if not len(bad):  # NOTE: finite as read, infinite once cast to a float32 model's type
+        over = np.argwhere(np.abs(arr) > np.finfo(np.float32).max)
+        if not len(over):  # NOTE: another type's overflow (float16): the Trainer's own message
+            return message
+        i, j = (int(v) for v in over[0])
+        return (f"DATA: {args.data!r} data row {i + 1}, column {names[j]!r}: {arr[i, j]:g} is infinite as the "
+                f"model's float32, expected a finite number (rescale or drop that row)")
+    i, j = (int(v) for v in bad[0])
     return (f"DATA: {args.data!r} data row {i + 1}, column {names[j]!r}: expected a finite number, got "
             f"{arr[i, j]} (replace or drop that row)")
 
