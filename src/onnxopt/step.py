@@ -24,11 +24,10 @@ import onnx_ir as ir
 
 from onnxopt import atomic
 from onnxopt.errors import ModelError
+from onnxopt.protocol import NEW, PROTOCOL_KEY, STEP, loads
 
 __all__ = ["TrainStep", "STEP", "NEW", "GRAD"]
 
-STEP = "optim.step"
-NEW = ".new"
 GRAD = ".grad"  # the output-gradient input of a step compiled with external_grad=True
 _KEY = "onnxopt.train_step"
 
@@ -68,6 +67,13 @@ class TrainStep:
         """The running statistics the fused model starts from (the original model's values)."""
         return self._initial(self.buffers)
 
+    @property
+    def protocol(self) -> dict:
+        """The step's inputs and outputs by role and its swap map, as stored in a saved step (``protocol``)."""
+        from onnxopt.protocol import describe
+
+        return describe(self)
+
     def _metadata(self) -> str:
         fields = dataclasses.asdict(self)
         fields.pop("model")
@@ -80,6 +86,7 @@ class TrainStep:
         model.CopyFrom(self.model)
         props = {p.key: p.value for p in model.metadata_props}
         props[_KEY] = self._metadata()
+        props[PROTOCOL_KEY] = json.dumps(self.protocol)
         del model.metadata_props[:]
         for key, value in props.items():
             model.metadata_props.add(key=key, value=value)
@@ -95,6 +102,8 @@ class TrainStep:
         if _KEY not in props:
             raise ModelError(f"path: {os.fspath(path)!r} is an ONNX model but not a train step saved by onnxopt "
                              f"(metadata {_KEY!r} missing)")
+        if PROTOCOL_KEY in props:  # NOTE: a step saved before the protocol existed has none, and still loads
+            loads(props[PROTOCOL_KEY])
         fields = json.loads(props[_KEY])
         fields["inference"] = base64.b64decode(fields["inference"])
         return cls(model=model, **fields)

@@ -1,0 +1,80 @@
+"""A step's protocol as data: the role of each input and output, and which output feeds which input next step.
+
+Stored in a saved step's ``metadata_props`` under ``PROTOCOL_KEY`` as JSON, so that a runner in any language
+(the Runner, the Trainer, the facades, the JavaScript package in ``js/``) drives a step from the file alone::
+
+    {"version": 1,
+     "inputs":  [{"name": "X", "role": "data"}, {"name": "target", "role": "target"},
+                 {"name": "coef", "role": "weight"}, {"name": "coef.velocity", "role": "state"},
+                 {"name": "optim.step", "role": "step"}, ...],
+     "outputs": [{"name": "loss", "role": "loss"}, {"name": "coef.new", "role": "weight", "feeds": "coef"}, ...],
+     "target_kind": "float", "classes": null}
+
+Input roles: ``data``, ``target``, ``sample_weight``, ``output_grad``, ``weight``, ``state`` (optimizer state),
+``step`` (the int64 step counter), ``buffer`` (running statistics). Output roles: ``loss``, ``prediction`` and
+the carried roles (``weight``, ``state``, ``step``, ``buffer``), each with ``feeds``: the input it replaces in
+the next step. A reader refuses a version it does not know.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from onnxopt.errors import ModelError
+
+if TYPE_CHECKING:
+    from onnxopt.step import TrainStep
+
+__all__ = ["PROTOCOL_KEY", "VERSION", "STEP", "NEW", "describe", "dumps", "loads", "swap_map"]
+
+PROTOCOL_KEY = "onnxopt.protocol"
+VERSION = 1
+INPUT_ROLES = ("data", "target", "sample_weight", "output_grad", "weight", "state", "step", "buffer")
+CARRIED = ("weight", "state", "step", "buffer")
+STEP = "optim.step"  # NOTE: the step counter's input; its output is STEP + NEW
+NEW = ".new"  # NOTE: the suffix of a carried output: ``W.new`` replaces ``W`` in the next step
+
+
+def describe(step: TrainStep) -> dict:
+    """The protocol of ``step``: its inputs and outputs by role, in the order of the step's graph."""
+    roles = {name: "data" for name in step.inputs}
+    roles.update({step.target: "target", step.sample_weight: "sample_weight", step.output_grad: "output_grad"})
+    roles.update({n: "weight" for n in step.weights})
+    roles.update({n: "state" for n in step.state if n != STEP})
+    roles.update({n: "buffer" for n in step.buffers})
+    roles[STEP] = "step"
+    roles.pop(None, None)
+    graph_inputs = [i.name for i in step.model.graph.input]
+    inputs = [{"name": n, "role": roles[n]} for n in graph_inputs if n in roles]
+    inputs += [{"name": n, "role": r} for n, r in roles.items() if n not in graph_inputs]  # NOTE: initializers
+    feeds = {name + NEW: name for name, role in roles.items() if role in CARRIED}
+    outputs = []
+    for out in (o.name for o in step.model.graph.output):
+        if out == step.loss:
+            outputs.append({"name": out, "role": "loss"})
+        elif out in feeds:
+            outputs.append({"name": out, "role": roles[feeds[out]], "feeds": feeds[out]})
+        elif out == step.prediction:
+            outputs.append({"name": out, "role": "prediction"})
+    return {"version": VERSION, "inputs": inputs, "outputs": outputs, "target_kind": step.target_kind,
+            "classes": step.classes}
+
+
+def dumps(step: TrainStep) -> str:
+    return json.dumps(describe(step))
+
+
+def loads(text: str) -> dict:
+    """The protocol stored as ``text``; a ``ModelError`` for a version this onnxopt does not read."""
+    protocol = json.loads(text)
+    version = protocol.get("version")
+    if version != VERSION:
+        raise ModelError(f"metadata {PROTOCOL_KEY!r}: protocol version {version!r} is not supported "
+                         f"(expected {VERSION}); a newer onnxopt saved this step")
+    return protocol
+
+
+def swap_map(protocol: dict) -> dict[str, str]:
+    """Output name -> the input it replaces in the next step."""
+    return {o["name"]: o["feeds"] for o in protocol["outputs"] if "feeds" in o}
