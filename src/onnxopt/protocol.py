@@ -10,7 +10,8 @@ Stored in a saved step's ``metadata_props`` under ``PROTOCOL_KEY`` as JSON, so t
      "outputs": [{"name": "loss", "role": "loss"}, {"name": "coef.new", "role": "weight", "feeds": "coef"}, ...],
      "target_kind": "float", "classes": null}
 
-Input roles: ``data``, ``target``, ``sample_weight``, ``output_grad``, ``weight``, ``state`` (optimizer state),
+A ``state`` input also names the weight it is shaped like (``"like": "coef"``): it starts at zeros, the step
+counter at 0, weights and buffers at their initializers. Input roles: ``data``, ``target``, ``sample_weight``, ``output_grad``, ``weight``, ``state`` (optimizer state),
 ``step`` (the int64 step counter), ``buffer`` (running statistics). Output roles: ``loss``, ``prediction`` and
 the carried roles (``weight``, ``state``, ``step``, ``buffer``), each with ``feeds``: the input it replaces in
 the next step. A reader refuses a version it does not know.
@@ -46,8 +47,11 @@ def describe(step: TrainStep) -> dict:
     roles[STEP] = "step"
     roles.pop(None, None)
     graph_inputs = [i.name for i in step.model.graph.input]
-    inputs = [{"name": n, "role": roles[n]} for n in graph_inputs if n in roles]
-    inputs += [{"name": n, "role": r} for n, r in roles.items() if n not in graph_inputs]  # NOTE: initializers
+    order = [n for n in graph_inputs if n in roles] + [n for n in roles if n not in graph_inputs]  # NOTE: initializers
+    inputs = [{"name": n, "role": roles[n]} for n in order]
+    for entry in inputs:  # NOTE: optimizer state starts at zeros shaped as its weight, ``W.<state>``
+        if entry["role"] == "state":
+            entry["like"] = max((w for w in step.weights if entry["name"].startswith(w + ".")), key=len)
     feeds = {name + NEW: name for name, role in roles.items() if role in CARRIED}
     outputs = []
     for out in (o.name for o in step.model.graph.output):
