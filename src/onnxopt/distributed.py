@@ -248,7 +248,7 @@ class DataParallelRunner:
 
     def _binding(self) -> ort.IOBinding:
         """The gradient session's binding reading the updater's current weights (one per buffer set)."""
-        key = self.updater._current
+        key = self.updater._ring.current
         if key not in self._bindings:
             binding = self.session.io_binding()
             for name, value in self.updater.current_values().items():
