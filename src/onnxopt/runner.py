@@ -275,6 +275,12 @@ class Runner:
         self.n_runs = 0
 
     @property
+    def roles(self) -> Roles:
+        """The step's names by role (data, target, weights, state, buffers, loss, swap map), read from its
+        protocol (``protocol.Roles``)."""
+        return self._roles
+
+    @property
     def session(self) -> ort.InferenceSession:
         """The step's onnxruntime session (for batches of ``batch_size`` rows)."""
         return self._sessions.session
