@@ -29,7 +29,8 @@ SIZES, BATCH, N = [100, 50, 10, 1], 15, 750
 
 
 def _ortvalues(obj, seen=None, depth=0) -> set[int]:
-    """ids of every OrtValue (Python wrapper) reachable from ``obj`` through dicts, lists, tuples and attributes."""
+    """ids of every OrtValue (Python wrapper) reachable from ``obj`` through dicts, lists, tuples and attributes
+    (of onnxopt's objects: the Runner and its parts, ``ring.BufferRing``, ``sessions.StepSessions``...)."""
     seen = set() if seen is None else seen
     found: set[int] = set()
     if id(obj) in seen or depth > 4:
@@ -42,7 +43,7 @@ def _ortvalues(obj, seen=None, depth=0) -> set[int]:
         children = list(obj.values())
     elif isinstance(obj, (list, tuple)):
         children = list(obj)
-    elif isinstance(obj, onnxopt.Runner):
+    elif type(obj).__module__.startswith("onnxopt.") and hasattr(obj, "__dict__"):  # NOTE: the Runner and its parts
         children = list(vars(obj).values())
     for child in children:
         found |= _ortvalues(child, seen, depth + 1)

@@ -204,7 +204,7 @@ def test_sgd_biases_are_carried_as_rows_bit_for_bit(data):
     for batch in (8, 10, 8):
         np.testing.assert_array_equal(looped.epoch(X, y, batch_size=batch), _per_step(stepped, X, y, batch))
     _assert_same(looped, stepped)
-    body = next(n for n in looped._epoch_model.graph.node if n.op_type == "Scan").attribute[0].g
+    body = next(n for n in looped._epochs.model.graph.node if n.op_type == "Scan").attribute[0].g
     rows = [[d.dim_value for d in v.type.tensor_type.shape.dim] for v in body.input]
     assert sorted(r for r in rows if r[:1] == [1]) == [[1, 1], [1, 3], [1, 6]]
     assert "Reshape" not in {n.op_type for n in body.node}

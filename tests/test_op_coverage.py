@@ -22,8 +22,8 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from helpers import finite_differences
-from onnxopt.autodiff import load_rules
-from onnxopt.autodiff.rewrite import REWRITES, load_rewrites
+from onnxopt.autodiff import load_rewrites, load_rules
+from onnxopt.autodiff.rewrite import REWRITES
 from onnxopt.errors import NotDifferentiableError
 from onnxopt.gradient import gradient_ir, has_training_build
 

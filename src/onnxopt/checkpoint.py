@@ -21,7 +21,7 @@ import numpy as np
 from onnxopt.atomic import replacing
 from onnxopt.errors import CheckpointError
 
-__all__ = ["save_arrays", "load_arrays", "MAGIC"]
+__all__ = ["save_arrays", "load_arrays", "restore_arrays", "MAGIC"]
 
 MAGIC = b"ONNXOPT-CHECKPOINT-1\n"
 _DIGEST = 32
@@ -107,3 +107,15 @@ def _check(path: str, arrays: Mapping[str, np.ndarray], expected: Mapping[str, t
         if tuple(got.shape) != tuple(shape) or got.dtype != np.dtype(dtype):
             raise CheckpointError(f"checkpoint: {path!r} array {name!r} is {got.dtype}{list(got.shape)}, expected "
                                   f"{np.dtype(dtype)}{list(shape)}; nothing was loaded")
+
+
+def restore_arrays(path: str | os.PathLike, current: Mapping[str, np.ndarray],
+                   kind: str | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """``load_arrays(path)`` checked against the arrays it replaces (``current``: their names, shapes, dtypes) and,
+    when given, the ``kind`` the writer stored in its metadata: a runner's checkpoint, verified whole before any
+    weight changes."""
+    arrays, meta = load_arrays(path, {n: (a.shape, a.dtype) for n, a in current.items()})
+    if kind is not None and meta.get("kind") != kind:
+        raise CheckpointError(f"checkpoint: {os.fspath(path)!r} was written by {meta.get('kind')!r}, "
+                              f"expected {kind!r}")
+    return arrays, meta

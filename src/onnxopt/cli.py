@@ -134,12 +134,18 @@ def _compile(args: argparse.Namespace) -> int:
     if args.model is None or args.out is None:
         raise _Fail("compile: MODEL and -o STEP.onnx are required (or --list)")
     from onnxopt import compile_train_step
+    from onnxopt.fuse import explain_train_step
+    from onnxopt.stages import format_report
     from onnxopt.tasks import choose_loss
 
     kwargs = _training_kwargs(args)
     atomic.check_writable(_check_ext(args.out, (".onnx",), "-o"), "-o")
     kwargs["loss"], kwargs["output"] = choose_loss(_check_exists(args.model, "MODEL"), kwargs["loss"], args.output)
-    step = compile_train_step(args.model, portable=args.portable, **kwargs)
+    if args.explain:
+        step, report = explain_train_step(args.model, portable=args.portable, **kwargs)
+        print(format_report(report))
+    else:
+        step = compile_train_step(args.model, portable=args.portable, **kwargs)
     step.save(args.out)
     print(f"wrote {args.out}: {len(step.model.graph.node)} nodes ({_regions(step.model)})")
     print(f"inputs:  {', '.join(i.name for i in step.model.graph.input)}")
@@ -529,10 +535,13 @@ def _parser() -> argparse.ArgumentParser:
                                  "  onnxopt compile model.onnx --loss square --update nesterov:momentum=0.9 \\\n"
                                  "      --penalty elastic:l1=0.1,l2=0.9 --lr invscaling:eta0=0.05 -o step.onnx\n"
                                  "  onnxopt compile with_loss.onnx --loss-output loss --update adam -o step.onnx\n"
-                                 "  onnxopt compile model.onnx --loss cross_entropy --portable -o step.onnx")
+                                 "  onnxopt compile model.onnx --loss cross_entropy --portable -o step.onnx\n"
+                                 "  onnxopt compile model.onnx --explain -o step.onnx")
     comp.add_argument("model", nargs="?", metavar="MODEL.onnx", help="the inference model")
     comp.add_argument("-o", dest="out", metavar="STEP.onnx", help="where to write the fused step")
     comp.add_argument("--list", action="store_true", help="list losses, updates, penalties, schedules and exit")
+    comp.add_argument("--explain", action="store_true",
+                      help="print the compiler's stages: nodes each added and removed, and its time")
     comp.add_argument("--portable", action="store_true",
                       help="standard ONNX only: the step runs on stock onnxruntime (Python 3.13+, onnxruntime-gpu) "
                            "and onnx.reference, see docs/portable.md")

@@ -31,6 +31,7 @@ from onnxopt.data import as_array, check_batch_size
 from onnxopt.dsl import op, update_rule
 from onnxopt.errors import ConvergenceError, DataError, ModelError, OnnxoptError
 from onnxopt.fuse import compile_train_step
+from onnxopt.protocol import Roles
 from onnxopt.runner import Runner, _without_values, default_session_options
 from onnxopt.step import NEW, TrainStep
 
@@ -184,9 +185,10 @@ class DataParallelRunner:
                             "docs/tutorials/distributed.md describes the CUDA (NCCL) design")
         self.rank, self.world, self._dist = world()
         self.train_step, self.device, self.batch_size = grad, device, batch_size
+        self._roles = Roles.of(grad)  # NOTE: the gradient step's names by role, from its protocol
         weights = grad.initial_weights()
         self._size = sum(a.size for a in weights.values())
-        self._grad_shapes = {name: weights[name].shape for name in grad.weights}  # NOTE: the flat buffer's order
+        self._grad_shapes = {name: weights[name].shape for name in self._roles.weights}  # NOTE: the flat buffer's order
         cores = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
         def options(rows: int) -> ort.SessionOptions:  # NOTE: ORT's default pool capped to the cores of a local rank
@@ -213,6 +215,11 @@ class DataParallelRunner:
         self._checked = False
         digest = hashlib.sha256(grad.model.SerializeToString() + update.model.SerializeToString()).hexdigest()
         self._agree("the compiled steps (model, loss, update, options)", digest[:16])
+
+    @property
+    def roles(self) -> Roles:
+        """The gradient step's names by role, from its protocol (the update step's: ``updater.roles``)."""
+        return self._roles
 
     def __getattr__(self, name: str):  # NOTE: get_weights, set_weights, export, dtype, step_count... of the updater
         if name == "updater":
@@ -248,13 +255,13 @@ class DataParallelRunner:
 
     def _binding(self) -> ort.IOBinding:
         """The gradient session's binding reading the updater's current weights (one per buffer set)."""
-        key = self.updater._current
+        key = self.updater._ring.current
         if key not in self._bindings:
             binding = self.session.io_binding()
             for name, value in self.updater.current_values().items():
-                if name in self.train_step.weights:
+                if name in self._roles.weights:
                     binding.bind_ortvalue_input(name, value)
-            binding.bind_ortvalue_output(self.train_step.loss, ort.OrtValue.ortvalue_from_numpy(self._loss))
+            binding.bind_ortvalue_output(self._roles.loss, ort.OrtValue.ortvalue_from_numpy(self._loss))
             offset = 0
             for name, shape in self._grad_shapes.items():
                 size = int(np.prod(shape))
@@ -285,8 +292,9 @@ class DataParallelRunner:
         if weight > 0:
             binding = self._binding()
             target = None if y is None else as_array(y, self._y_dtype, "y")[lo:hi]
-            feeds = {step.inputs[0]: X[lo:hi], step.target: target,
-                     step.sample_weight: self._ones(hi - lo) if sw is None else sw}
+            roles = self._roles
+            feeds = {roles.data[0]: X[lo:hi], roles.target: target,
+                     roles.sample_weight: self._ones(hi - lo) if sw is None else sw}
             for name, value in feeds.items():
                 if name is not None:
                     binding.bind_cpu_input(name, np.ascontiguousarray(value))

@@ -1,6 +1,8 @@
 """The fusion pass: model forward + loss + backward + penalty + update rule -> one training-step graph.
 
-Rewrites, in order, on the gradient graph from ``gradient.gradient_ir`` (forward, YieldOp, backward):
+``compile_train_step`` runs ``STAGES``, named functions over one ``stages.CompileState`` (each says what it needs
+and leaves; ``stages.run_stages`` checks the order; ``onnxopt compile --explain`` prints them). They rewrite, in
+order, the gradient graph from ``gradient.gradient_ir`` (forward, YieldOp, backward):
 - the output gradient (the YieldOp's output) is computed from the prediction by the loss and its gradient;
 - each weight gradient gets its penalty gradient, then global-norm clipping;
 - the schedule turns the step counter into a learning rate and the update rule makes new weights and state;
@@ -9,6 +11,7 @@ Rewrites, in order, on the gradient graph from ``gradient.gradient_ir`` (forward
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from collections.abc import Sequence
@@ -36,10 +39,12 @@ from onnxopt.passes.products import transposes_into_products
 from onnxopt.passes.update import is_elementwise, multi_tensor, name_packs
 from onnxopt.rules import widen_float_constants
 from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
+from onnxopt.stages import CompileState, Stage, StageReport, run_stages
 from onnxopt.step import GRAD, NEW, STEP, TrainStep
 from onnxopt.tasks import choose_loss
 
-__all__ = ["compile_train_step", "select_output", "loss_graph", "apply_loss", "target_input"]
+__all__ = ["compile_train_step", "explain_train_step", "STAGES", "select_output", "loss_graph", "apply_loss",
+           "target_input"]
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +202,271 @@ def _external_grad(g: ir.Graph, y: ir.Value) -> ir.Value:
     return ir.tape.Tape(g).op("Constant", [], {"value": zero}, metadata_props={graphs.REGION: "loss"})
 
 
+# -- the stages of compile_train_step: each reads what earlier stages left in the state (``stages.run_stages``) --
+
+def _load(s: CompileState) -> None:
+    """Loads the model; picks the gradient source, the loss ("auto") and its output, portable or not.
+
+    Needs the options; leaves ``model`` (an ir.Model), ``source``, ``loss``, ``output``, ``portable``."""
+    s.source = gradient_source(s.gradient)
+    s.loss, s.output = choose_loss(s.model_arg, s.loss, s.output)
+    s.portable = s.portable or not has_training_build()  # NOTE: stock onnxruntime runs standard ONNX only
+    s.model = load_model(s.model_arg)
+
+
+def _tie(s: CompileState) -> None:
+    """Ties duplicated parameters (``passes.tie``), splits running statistics from weights, keeps the inference model.
+
+    Needs ``model``; leaves ``weights``, ``frozen``, ``fixed_rows`` (renamed to the tied parameters) and
+    ``inference`` (the proto ``Runner.export`` writes into)."""
+    ties = tie_parameters(s.model, s.tie)
+    s.weights, s.frozen = retarget(s.weights, ties), retarget(s.frozen, ties)
+    s.fixed_rows = {ties.get(n, n): rows for n, rows in (s.fixed_rows or {}).items()}
+    split_statistics(s.model)  # NOTE: also in the inference model, so export() writes statistics and weights apart
+    s.inference = ir.to_proto(s.model)
+
+
+def _check(s: CompileState) -> None:
+    """Resolves the update rule, penalty, schedule and loss declarations.
+
+    Needs ``loss``; leaves ``rule``, ``pen``, ``sched``, ``loss_decl`` and ``by_output`` (the loss reads the
+    prediction, not an output holding the loss)."""
+    s.rule, s.pen, s.sched = resolve_update(s.update), resolve_penalty(s.penalty), resolve_schedule(s.learning_rate)
+    s.loss_decl = resolve_loss(s.loss) if s.loss is not None else None
+    if s.external_grad and s.loss_decl is not None:
+        raise DslError(f"loss: external_grad=True takes the output gradient as an input; expected loss=None, "
+                       f"got {s.loss!r}")
+    s.by_output = s.loss_decl is not None or s.external_grad
+
+
+def _select(s: CompileState) -> None:
+    """Keeps only the output the loss reads (or the loss output) and what computes it.
+
+    Needs ``model``, ``by_output``; leaves ``y``, that output."""
+    by_output = s.by_output
+    s.y = select_output(s.model, s.output if by_output else s.loss_output,
+                        "output" if by_output else "loss_output")
+    _warn_if_normalized_twice(s.loss_decl, s.y)
+    _keep_only(s.model, s.y)
+
+
+def _modes(s: CompileState) -> None:
+    """Applies ``mode`` (train: Dropout active, BatchNormalization on batch statistics, its statistics carried).
+
+    Needs ``y`` (after ``select``, whose unused-output removal would drop Dropout's mask); leaves ``stats``."""
+    s.stats = apply_mode(s.model, s.mode)
+    carried = [st.name for st in s.stats if s.weights is not None and st.name in s.weights]
+    if carried:
+        raise WeightError(f"weights: {carried} are BatchNormalization running statistics, carried as state in "
+                          "mode='train', not trained; expected weights, or mode='eval' to keep them as constants")
+
+
+def _trained(s: CompileState) -> None:
+    """Picks the trained weights and checks the step's DSL functions against them.
+
+    Needs ``stats``, ``rule``; leaves ``names`` (trained weights) and ``initial`` (their values), cleared from
+    ``inference``."""
+    s.names = names = check_weights(s.model, s.weights, s.frozen)
+    check_step_functions(s.loss_decl, s.rule, s.pen, s.sched, s.y, [s.model.graph.initializers[n] for n in names],
+                         s.model.opset_imports[""])
+    s.initial = {n: s.model.graph.initializers[n].const_value for n in names}
+    for init in s.inference.graph.initializer:  # NOTE: trained values live in the runner, not twice on disk
+        if init.name in s.initial:
+            for field in ("raw_data", "float_data", "double_data"):
+                init.ClearField(field)
+
+
+def _differentiate(s: CompileState) -> None:
+    """Builds the gradient graph (forward, backward) of the kept output with respect to the trained weights.
+
+    Needs ``names``, ``initial``; leaves ``fused`` (the step being built), ``y`` (its prediction), ``grads`` and
+    ``ws`` (gradient and weight values, in ``names`` order)."""
+    s.fused, forward = gradient_ir(s.model, s.names, (), keep_outputs=True, fill_grad=not s.by_output,
+                                   portable=s.portable, gradient=s.source)
+    g = s.fused.graph
+    if forward[0].type is None:  # NOTE: the builder drops the value info of outputs that feed the YieldOp
+        forward[0].type, forward[0].shape = s.y.type or ir.TensorType(s.initial[s.names[0]].dtype), s.y.shape
+    s.y = forward[0]
+    grad_by_weight = {v.name[: -len("_grad")]: v for v in g.outputs if v.name.endswith("_grad")}
+    missing = [n for n in s.names if n not in grad_by_weight]
+    if missing:
+        raise ModelError(f"weights: {missing} do not reach output {s.y.name!r}; no gradient flows to them")
+    g.outputs.clear()
+    s.grads = [grad_by_weight[n] for n in s.names]
+    w_values = {v.name: v for v in g.inputs}
+    s.ws = [w_values[n] for n in s.names]
+
+
+def _loss(s: CompileState) -> None:
+    """Computes the loss of the prediction and feeds its gradient to the backward graph.
+
+    Needs ``fused``, ``y``; leaves ``loss_value``, ``target`` and ``sample_weight`` (inputs, or None)."""
+    g, y = s.fused.graph, s.y
+    s.target = s.sample_weight = None
+    if s.external_grad:
+        s.loss_value = _external_grad(g, y)
+    elif s.loss_decl is None:
+        s.loss_value = y
+    else:
+        s.target = target_input(g, s.loss_decl, y)
+        s.sample_weight = (graphs.new_input(g, "sample_weight", dtype=y.dtype, shape=[graphs.rows(y)])
+                           if s.loss_decl.weighted else None)
+        s.loss_value, dy = _loss_and_grad(s.fused, s.loss_decl, y, s.target, s.sample_weight, s.source)
+        y_grad_input = next(v for v in g.inputs if v.name == y.name + "_grad")
+        ir.convenience.replace_all_uses_with(y_grad_input, dy)
+        g.inputs.remove(y_grad_input)
+
+
+def _penalty(s: CompileState) -> None:
+    """Zeroes the ``fixed_rows`` of their gradients, adds the penalty to the loss and its gradient to each weight's.
+
+    Needs ``grads``, ``loss_value``; leaves ``penalized`` (gradients) and ``total_loss``."""
+    tape = _RegionTape(s.fused.graph, "penalty")
+    grads, loss_value = list(s.grads), s.loss_value
+    _zero_rows(tape, grads, s.ws, s.fixed_rows)
+    if s.pen is not None:
+        terms = []
+        for i, w in enumerate(s.ws):
+            p, pg = _penalty_and_grad(s.fused, s.pen, w, s.source)
+            terms.append(p)
+            grads[i] = tape.op("Add", [grads[i], pg])
+        loss_value = tape.op("Add", [loss_value, terms[0] if len(terms) == 1 else tape.op("Sum", terms)])
+    s.penalized, s.total_loss = grads, loss_value
+
+
+def _clip_stage(s: CompileState) -> None:
+    """Clips the penalized gradients to the rule's global norm (``clip_norm``), if any.
+
+    Needs ``penalized``; leaves ``clipped``."""
+    clip = s.rule.clip_norm
+    s.clipped = s.penalized if clip is None else _clip(_RegionTape(s.fused.graph, "update"), s.penalized, clip)
+
+
+def _schedule(s: CompileState) -> None:
+    """Adds the step counter input and the learning rate the schedule computes from it.
+
+    Needs ``ws``; leaves ``step_next`` (the counter + 1), ``t`` (it in the weights' type) and ``lr``."""
+    tape = _RegionTape(s.fused.graph, "schedule")
+    step = graphs.new_input(s.fused.graph, STEP, dtype=ir.DataType.INT64, shape=[])
+    s.step_next = tape.op("Add", [step, tape.op("Constant", [], {"value": ir.tensor(np.array(1, np.int64))})])
+    s.t = tape.op("CastLike", [s.step_next, s.ws[0]])
+    s.lr = graphs.call(s.fused, s.sched.fn, [s.t], s.sched.call_attrs(), "schedule")[0]
+
+
+def _update(s: CompileState) -> None:
+    """Applies the update rule: new weights and optimizer state (one multi-tensor call for a stateful rule).
+
+    Needs ``clipped``, ``lr``, ``t``; leaves ``outputs``, ``out_names``, ``state_names``, ``packs``, ``splits``."""
+    rule, ws, g = s.rule, s.ws, s.fused.graph
+    outputs, out_names, state_names, packs, splits = [], [], [], {}, []
+    # NOTE: a stateful elementwise rule runs once on all weights concatenated (docs/fused_step.md): Adam costs
+    # ~13 kernels instead of ~13 per weight; SGD stays per weight, where its Gemm form folds the update in.
+    if rule.state and len(ws) > 1 and all(w.shape is not None and w.shape.is_static() for w in ws) \
+            and is_elementwise(rule):
+        tape = _RegionTape(g, "update")
+        outputs, out_names, state_names, packs, splits = multi_tensor(s.fused, rule, ws, s.clipped, s.lr, s.t, tape)
+    for w, gw in zip(ws, s.clipped) if not packs else ():
+        states = [graphs.new_input(g, f"{w.name}.{st}", like=w) for st in rule.state]
+        state_names += [st.name for st in states]
+        args = [w, gw, s.lr, *states] + ([s.t] if rule.uses_step else [])
+        outputs += graphs.call(s.fused, rule.fn, args, rule.call_attrs(), f"update/{w.name}", 1 + len(states))
+        out_names += [src.name + NEW for src in [w, *states]]
+    s.outputs, s.out_names, s.state_names, s.packs, s.splits = outputs, out_names, state_names, packs, splits
+
+
+def _outputs(s: CompileState) -> None:
+    """Sets the step's outputs (loss, new weights and state, counter, statistics, prediction); weights as initializers.
+
+    Needs ``total_loss``, ``outputs``, ``step_next``, ``stats``; leaves ``output_names``."""
+    prediction = [s.y] if s.external_grad else []
+    buffers = running_updates(s.fused, s.stats)
+    s.fused.graph.outputs.extend([s.total_loss, *s.outputs, s.step_next, *(v for v, _ in buffers), *prediction])
+    for w in s.ws:
+        w.const_value = s.initial[w.name]
+        s.fused.graph.register_initializer(w)
+    s.output_names = ["loss", *s.out_names, STEP + NEW, *(n for _, n in buffers), *[v.name for v in prediction]]
+
+
+def _lower(s: CompileState) -> None:
+    """Lowers the training-only ops onnxruntime lacks or runs wrong; fuses optimizer kernels (training build).
+
+    Needs ``output_names``; leaves ``lowered`` (``finish`` needs it: its constant folding folds the lowerings'
+    CastLike'd constants)."""
+    dtype = s.initial[s.names[0]].dtype
+    lower_training_ops(s.fused, None if s.portable else broken_kernels(dtype))
+    if not s.portable:  # NOTE: onnxruntime-training's fused optimizer kernels, where they match the rule exactly
+        optimizer_kernels(s.fused, s.rule, dtype)
+    s.lowered = True
+
+
+def _finish_stage(s: CompileState) -> None:
+    """Inlines the DSL calls, names the outputs, folds constants, drops dead nodes, sets versions (``_finish``).
+
+    Needs ``lowered``; leaves ``finished``."""
+    _finish(s.fused, s.output_names, s.initial[s.names[0]].dtype)
+    s.finished = True
+
+
+def _optimize(s: CompileState) -> None:
+    """Fuses the update into the gradient's products, folds transposes, names the packs; checks a portable step.
+
+    Needs ``finished``; leaves ``optimized``."""
+    fuse_update(s.fused, kernels=not s.portable)
+    transposes_into_products(s.fused)
+    name_packs(s.packs, s.splits)
+    if s.portable:
+        crops_as_slices(s.fused)
+        check_portable(s.fused)
+    s.optimized = True
+
+
+def _package(s: CompileState) -> None:
+    """Wraps the step graph and its roles (data, target, weights, state, buffers) as a ``TrainStep``.
+
+    Needs ``optimized``; leaves ``step``."""
+    data_inputs = [v.name for v in s.model.graph.inputs if v.name not in s.model.graph.initializers]
+    if s.external_grad:
+        target_name = sw_name = None
+    elif s.loss_decl is None:  # NOTE: a model from add_loss_output names its extra inputs target/sample_weight
+        target_name = "target" if "target" in data_inputs else None
+        sw_name = "sample_weight" if "sample_weight" in data_inputs else None
+        data_inputs = [n for n in data_inputs if n not in (target_name, sw_name)]
+    else:
+        target_name, sw_name = s.target.name, s.sample_weight.name if s.sample_weight is not None else None
+    loss_decl, y = s.loss_decl, s.y
+    s.step = TrainStep(
+        model=ir.to_proto(s.fused), inputs=data_inputs, target=target_name, sample_weight=sw_name, loss="loss",
+        weights=s.names,
+        state=[*s.state_names, STEP], buffers=[st.name for st in s.stats],
+        target_kind=loss_decl.target if loss_decl else "float",
+        classes=y.shape[-1] if target_name and loss_decl is not None and loss_decl.target == "index" and y.shape
+        and isinstance(y.shape[-1], int) else None,
+        inference=s.inference.SerializeToString(),
+        output_grad=y.name + GRAD if s.external_grad else None, prediction=y.name if s.external_grad else None,
+    )
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("load", _load, (), ("model", "source", "portable")),
+    Stage("tie", _tie, ("model",), ("weights", "frozen", "fixed_rows", "inference")),
+    Stage("check", _check, ("loss",), ("rule", "pen", "sched", "loss_decl", "by_output")),
+    Stage("select", _select, ("model", "by_output"), ("y",)),
+    Stage("modes", _modes, ("y",), ("stats",)),
+    Stage("weights", _trained, ("stats", "rule", "inference"), ("names", "initial")),
+    Stage("differentiate", _differentiate, ("names", "initial"), ("fused", "y", "grads", "ws")),
+    Stage("loss", _loss, ("fused", "y"), ("loss_value", "target", "sample_weight")),
+    Stage("penalty", _penalty, ("grads", "loss_value"), ("penalized", "total_loss")),
+    Stage("clip", _clip_stage, ("penalized",), ("clipped",)),
+    Stage("schedule", _schedule, ("ws", "sched"), ("step_next", "t", "lr")),
+    Stage("update", _update, ("clipped", "lr", "t"), ("outputs", "out_names", "state_names", "packs", "splits")),
+    Stage("outputs", _outputs, ("total_loss", "outputs", "step_next", "stats"), ("output_names",)),
+    Stage("lower", _lower, ("output_names",), ("lowered",)),
+    Stage("finish", _finish_stage, ("lowered",), ("finished",)),
+    Stage("optimize", _optimize, ("finished",), ("optimized",)),
+    Stage("package", _package, ("optimized",), ("step",)),
+)
+
+
 def compile_train_step(
     model: ModelLike,
     loss: str | Loss | None = "square",
@@ -214,7 +484,9 @@ def compile_train_step(
     fixed_rows: dict[str, Sequence[int]] | None = None,
     gradient: str | None = None,
 ) -> TrainStep:
-    """Compiles one training step of ``model`` into a single ONNX graph (see ``step.TrainStep`` for its names).
+    """Compiles one training step of ``model`` into a single ONNX graph (see ``step.TrainStep`` for its names):
+    runs ``STAGES`` (load, tie, check, select, modes, weights, differentiate, loss, penalty, clip, schedule, update,
+    outputs, lower, finish, optimize, package) on the arguments.
 
     Args:
         model: the inference model (proto, ir.Model or path).
@@ -242,134 +514,22 @@ def compile_train_step(
         fixed_rows: {weight: rows} whose gradient is zero, as torch's ``Embedding(padding_idx=...)`` makes it
             (exporters drop ``padding_idx``); a penalty still moves them, as torch's weight decay does.
     """
-    source = gradient_source(gradient)
-    loss, output = choose_loss(model, loss, output)
-    portable = portable or not has_training_build()  # NOTE: stock onnxruntime runs standard ONNX only
-    m = load_model(model)
-    ties = tie_parameters(m, tie)
-    weights, frozen = retarget(weights, ties), retarget(frozen, ties)
-    fixed_rows = {ties.get(n, n): rows for n, rows in (fixed_rows or {}).items()}
-    split_statistics(m)  # NOTE: also in the inference model, so export() writes statistics and weights apart
-    inference = ir.to_proto(m)
-    rule, pen, sched = resolve_update(update), resolve_penalty(penalty), resolve_schedule(learning_rate)
-    loss_decl = resolve_loss(loss) if loss is not None else None
-    if external_grad and loss_decl is not None:
-        raise DslError(f"loss: external_grad=True takes the output gradient as an input; expected loss=None, "
-                       f"got {loss!r}")
-    by_output = loss_decl is not None or external_grad
-    y = select_output(m, output if by_output else loss_output, "output" if by_output else "loss_output")
-    _warn_if_normalized_twice(loss_decl, y)
-    _keep_only(m, y)
-    stats = apply_mode(m, mode)  # NOTE: after _keep_only, whose unused-output removal would drop Dropout's mask
-    carried = [s.name for s in stats if weights is not None and s.name in weights]
-    if carried:
-        raise WeightError(f"weights: {carried} are BatchNormalization running statistics, carried as state in "
-                          "mode='train', not trained; expected weights, or mode='eval' to keep them as constants")
-    names = check_weights(m, weights, frozen)
-    check_step_functions(loss_decl, rule, pen, sched, y, [m.graph.initializers[n] for n in names], m.opset_imports[""])
-    initial = {n: m.graph.initializers[n].const_value for n in names}
-    for init in inference.graph.initializer:  # NOTE: trained values live in the runner, not twice on disk
-        if init.name in initial:
-            for field in ("raw_data", "float_data", "double_data"):
-                init.ClearField(field)
-    fused, forward = gradient_ir(m, names, (), keep_outputs=True, fill_grad=not by_output, portable=portable,
-                                 gradient=source)
-    g = fused.graph
-    if forward[0].type is None:  # NOTE: the builder drops the value info of outputs that feed the YieldOp
-        forward[0].type, forward[0].shape = y.type or ir.TensorType(initial[names[0]].dtype), y.shape
-    y = forward[0]
-    grad_by_weight = {v.name[: -len("_grad")]: v for v in g.outputs if v.name.endswith("_grad")}
-    missing = [n for n in names if n not in grad_by_weight]
-    if missing:
-        raise ModelError(f"weights: {missing} do not reach output {y.name!r}; no gradient flows to them")
-    g.outputs.clear()
+    # NOTE: the arguments, as the options the stages read (``model`` as ``model_arg``: ``load`` leaves the ir.Model)
+    return run_stages(STAGES, _options(locals())).step
 
-    target = sample_weight = None
-    if external_grad:
-        loss_value = _external_grad(g, y)
-    elif loss_decl is None:
-        loss_value = y
-    else:
-        target = target_input(g, loss_decl, y)
-        sample_weight = (graphs.new_input(g, "sample_weight", dtype=y.dtype, shape=[graphs.rows(y)])
-                         if loss_decl.weighted else None)
-        loss_value, dy = _loss_and_grad(fused, loss_decl, y, target, sample_weight, source)
-        y_grad_input = next(v for v in g.inputs if v.name == y.name + "_grad")
-        ir.convenience.replace_all_uses_with(y_grad_input, dy)
-        g.inputs.remove(y_grad_input)
-    grads = [grad_by_weight[n] for n in names]
-    w_values = {v.name: v for v in g.inputs}
-    ws = [w_values[n] for n in names]
 
-    tape = _RegionTape(g, "penalty")
-    _zero_rows(tape, grads, ws, fixed_rows)
-    if pen is not None:
-        terms = []
-        for i, w in enumerate(ws):
-            p, pg = _penalty_and_grad(fused, pen, w, source)
-            terms.append(p)
-            grads[i] = tape.op("Add", [grads[i], pg])
-        loss_value = tape.op("Add", [loss_value, terms[0] if len(terms) == 1 else tape.op("Sum", terms)])
-    if rule.clip_norm is not None:
-        tape.region = "update"
-        grads = _clip(tape, grads, rule.clip_norm)
+def _options(arguments: dict) -> CompileState:
+    options = dict(arguments)
+    options["model_arg"] = options.pop("model")
+    return CompileState(**options)
 
-    tape.region = "schedule"
-    step = graphs.new_input(g, STEP, dtype=ir.DataType.INT64, shape=[])
-    step_next = tape.op("Add", [step, tape.op("Constant", [], {"value": ir.tensor(np.array(1, np.int64))})])
-    t = tape.op("CastLike", [step_next, ws[0]])
-    lr = graphs.call(fused, sched.fn, [t], sched.call_attrs(), "schedule")[0]
 
-    outputs, out_names, state_names, packs, splits = [], [], [], {}, []
-    # NOTE: a stateful elementwise rule runs once on all weights concatenated (docs/fused_step.md): Adam costs
-    # ~13 kernels instead of ~13 per weight; SGD stays per weight, where its Gemm form folds the update in.
-    if rule.state and len(ws) > 1 and all(w.shape is not None and w.shape.is_static() for w in ws) \
-            and is_elementwise(rule):
-        tape.region = "update"
-        outputs, out_names, state_names, packs, splits = multi_tensor(fused, rule, ws, grads, lr, t, tape)
-    for w, gw in zip(ws, grads) if not packs else ():
-        states = [graphs.new_input(g, f"{w.name}.{s}", like=w) for s in rule.state]
-        state_names += [s.name for s in states]
-        args = [w, gw, lr, *states] + ([t] if rule.uses_step else [])
-        outputs += graphs.call(fused, rule.fn, args, rule.call_attrs(), f"update/{w.name}", 1 + len(states))
-        out_names += [src.name + NEW for src in [w, *states]]
-    prediction = [y] if external_grad else []
-    buffers = running_updates(fused, stats)
-    g.outputs.extend([loss_value, *outputs, step_next, *(v for v, _ in buffers), *prediction])
-    for name in names:
-        w_values[name].const_value = initial[name]
-        g.register_initializer(w_values[name])
-    # NOTE: before _finish, whose constant folding folds the lowerings' CastLike'd constants
-    lower_training_ops(fused, None if portable else broken_kernels(initial[names[0]].dtype))
-    if not portable:  # NOTE: onnxruntime-training's fused optimizer kernels, where they match the rule exactly
-        optimizer_kernels(fused, rule, initial[names[0]].dtype)
-    _finish(fused, ["loss", *out_names, STEP + NEW, *(n for _, n in buffers), *[v.name for v in prediction]],
-            initial[names[0]].dtype)
-    fuse_update(fused, kernels=not portable)
-    transposes_into_products(fused)
-    name_packs(packs, splits)
-    if portable:
-        crops_as_slices(fused)
-        check_portable(fused)
-    data_inputs = [v.name for v in m.graph.inputs if v.name not in m.graph.initializers]
-    if external_grad:
-        target_name = sw_name = None
-    elif loss_decl is None:  # NOTE: a model from add_loss_output names its extra inputs target/sample_weight
-        target_name = "target" if "target" in data_inputs else None
-        sw_name = "sample_weight" if "sample_weight" in data_inputs else None
-        data_inputs = [n for n in data_inputs if n not in (target_name, sw_name)]
-    else:
-        target_name, sw_name = target.name, sample_weight.name if sample_weight is not None else None
-    return TrainStep(
-        model=ir.to_proto(fused), inputs=data_inputs, target=target_name, sample_weight=sw_name, loss="loss",
-        weights=names,
-        state=[*state_names, STEP], buffers=[s.name for s in stats],
-        target_kind=loss_decl.target if loss_decl else "float",
-        classes=y.shape[-1] if target_name and loss_decl is not None and loss_decl.target == "index" and y.shape
-        and isinstance(y.shape[-1], int) else None,
-        inference=inference.SerializeToString(),
-        output_grad=y.name + GRAD if external_grad else None, prediction=y.name if external_grad else None,
-    )
+def explain_train_step(model: ModelLike, **kwargs) -> tuple[TrainStep, list[StageReport]]:
+    """``compile_train_step(model, **kwargs)`` and what each stage did (``onnxopt compile --explain``)."""
+    arguments = inspect.signature(compile_train_step).bind(model, **kwargs)
+    arguments.apply_defaults()
+    report: list[StageReport] = []
+    return run_stages(STAGES, _options(arguments.arguments), report=report).step, report
 
 
 def _zero_rows(tape: ir.tape.Tape, grads: list[ir.Value], ws: list[ir.Value], fixed_rows: dict) -> None:

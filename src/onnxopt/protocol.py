@@ -20,14 +20,14 @@ the next step. A reader refuses a version it does not know.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from onnxopt.errors import ModelError
 
 if TYPE_CHECKING:
     from onnxopt.step import TrainStep
 
-__all__ = ["PROTOCOL_KEY", "VERSION", "STEP", "NEW", "describe", "dumps", "loads", "swap_map"]
+__all__ = ["PROTOCOL_KEY", "VERSION", "STEP", "NEW", "describe", "dumps", "loads", "swap_map", "Roles"]
 
 PROTOCOL_KEY = "onnxopt.protocol"
 VERSION = 1
@@ -82,3 +82,38 @@ def loads(text: str) -> dict:
 def swap_map(protocol: dict) -> dict[str, str]:
     """Output name -> the input it replaces in the next step."""
     return {o["name"]: o["feeds"] for o in protocol["outputs"] if "feeds" in o}
+
+
+class Roles(NamedTuple):
+    """A step's names by role, read from its protocol: what the Runner, the Trainer and the distributed runner
+    feed, carry and read. ``state``: the optimizer state, then the step counter (as ``TrainStep.state``)."""
+
+    data: list[str]
+    target: str | None
+    sample_weight: str | None
+    output_grad: str | None
+    weights: list[str]
+    state: list[str]
+    buffers: list[str]
+    loss: str | None
+    prediction: str | None
+    swap: dict[str, str]
+    target_kind: str
+    classes: int | None
+
+    @classmethod
+    def of(cls, step: TrainStep | dict) -> Roles:
+        """The roles of ``step`` (a ``TrainStep``, whose ``protocol`` is read, or a protocol itself)."""
+        protocol = step if isinstance(step, dict) else step.protocol
+        swap = swap_map(protocol)
+        fed = set(swap.values())
+        names: dict[str, list[str]] = {}
+        for entry in protocol["inputs"]:
+            names.setdefault(entry["role"], []).append(entry["name"])
+        outputs = {o["role"]: o["name"] for o in protocol["outputs"] if o["role"] in ("loss", "prediction")}
+        one = lambda role: names.get(role, [None])[0]  # noqa: E731
+        counter = [n for n in names.get("step", []) if n in fed]  # NOTE: a gradient-only step carries none
+        return cls(names.get("data", []), one("target"), one("sample_weight"), one("output_grad"),
+                   names.get("weight", []), [*names.get("state", []), *counter], names.get("buffer", []),
+                   outputs.get("loss"), outputs.get("prediction"), swap, protocol["target_kind"],
+                   protocol["classes"])

@@ -24,24 +24,24 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
+from onnxopt.checkpoint import restore_arrays, save_arrays
 from onnxopt.data import as_array, check_batch_size, check_class_indices
-from onnxopt.errors import CheckpointError, ConvergenceError, DataError, ModelError, NotDifferentiableError
+from onnxopt.epochs import EpochLoop
+from onnxopt.errors import ConvergenceError, DataError, ModelError, NotDifferentiableError
 from onnxopt.passes.batch import (drop_same_shape_reshapes, hoist, masked_relu_grads, row_sum_updates, shaped_target,
                                   summed_rows)
-from onnxopt.passes.epoch import CHECK, COUNT, LAST, PREFIX, epoch_model, scannable
+from onnxopt.passes.epoch import scannable
 from onnxopt.passes.update import PACK_WEIGHTS, flat_carry
-from onnxopt.step import NEW, STEP, TrainStep
+from onnxopt.protocol import Roles
+from onnxopt.ring import BufferRing
+from onnxopt.sessions import KEEP_DROPOUT, StepSessions, _without_values  # noqa: F401  (distributed's)
+from onnxopt.step import TrainStep
 from onnxopt.stream import as_stream, blocks, prefetch
 
-# NOTE: stock onnxruntime (1.32) removes a Dropout whose mask nothing reads, training_mode true or not: a step
-# whose gradient does not pass the Dropout (weights before it frozen) would train on one mask for ever
-KEEP_DROPOUT = ["EliminateDropout"]
 __all__ = ["Runner", "default_session_options", "step_work", "cpu_model"]
 
 logger = logging.getLogger(__name__)
-_N_SETS = 3
 _HISTORY = 1024  # NOTE: deferred losses kept on the device before an automatic sync
-_HOST = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 # NOTE: a batch array up to this size is copied into a host buffer its binding holds (0.1-0.8 µs) rather than
 # wrapped in a new OrtValue and bound (1.1 µs): measured with numpy 2.4 and onnxruntime 1.19
 _COPIED = 32 * 1024
@@ -102,32 +102,6 @@ def default_session_options(n_parameters: int, batch_size: int = 32, spinning: b
     if not spinning:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return opts
-
-
-def _without_values(model: onnx.ModelProto, weights: Mapping[str, np.ndarray], x: str | None = None,
-                    rows: int | None = None) -> bytes | None:
-    """The fused model without its weights' values: they are always bound, so the session need not hold a copy.
-
-    With ``x`` and ``rows``: the free dimension that starts input ``x`` (the batch) fixed to ``rows`` on every
-    input it names, for a session that runs batches of ``rows``: onnxruntime then folds the shape computations
-    of the step (T1's kernels per step 430 -> 281, 5% of its time); None when ``x`` starts with no named free
-    dimension."""
-    stripped = onnx.ModelProto()
-    stripped.CopyFrom(model)
-    if rows is not None:
-        inputs = {i.name: i for i in stripped.graph.input}
-        dims = inputs[x].type.tensor_type.shape.dim if x in inputs else []
-        batch = dims[0].dim_param if len(dims) and not dims[0].HasField("dim_value") else ""
-        if not batch:
-            return None
-        for i in stripped.graph.input:
-            for d in i.type.tensor_type.shape.dim:
-                if d.dim_param == batch:
-                    d.dim_value = rows
-    keep = [t for t in stripped.graph.initializer if t.name not in weights]
-    del stripped.graph.initializer[:]
-    stripped.graph.initializer.extend(keep)
-    return stripped.SerializeToString()
 
 
 class CpuModel(NamedTuple):
@@ -244,8 +218,9 @@ class Runner:
                  session_options: ort.SessionOptions | None = None, batch_size: int = 32):
         self._lock = threading.RLock()  # NOTE: reentrant: epoch calls step, save_checkpoint get_weights
         self.train_step = step if isinstance(step, TrainStep) else TrainStep.load(step)
-        if len(self.train_step.inputs) > 1:  # NOTE: step() feeds X to inputs[0]; the others would be missing
-            raise several_inputs(self.train_step.inputs)
+        roles = self._roles = Roles.of(self.train_step)  # NOTE: the names by role, from the step's protocol
+        if len(roles.data) > 1:  # NOTE: step() feeds X to inputs[0]; the others would be missing
+            raise several_inputs(roles.data)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
         self.device = device
@@ -255,13 +230,14 @@ class Runner:
         initial = {**self.train_step.initial_weights(), **self.train_step.initial_buffers()}
         self.dtype = next(iter(initial.values())).dtype
         self._size = sum(a.size for a in initial.values())
-        opts = session_options or default_session_options(step_work(self.train_step, initial), batch_size)
+        opts = self._opts = session_options or default_session_options(step_work(self.train_step, initial),
+                                                                         batch_size)
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         # NOTE: packs are host buffers whose members are bound as numpy views, hoisted values host arrays (CPU only)
         threads = opts.intra_op_num_threads or os.cpu_count() or 1  # NOTE: 0 is ORT's default: one per core
         cpu = cpu_model(self.train_step, batch_size, threads) if device == "cpu" else None
-        model, self._packs = (cpu.model, cpu.packs) if cpu else (self.train_step.model, {})
-        self._side, self._weighted, self._opts = None, cpu.weighted if cpu else None, opts
+        model, packs = (cpu.model, cpu.packs) if cpu else (self.train_step.model, {})
+        self._side, self._weighted = None, cpu.weighted if cpu else None
         self._hoisted, self._w_kept, self._y_shape = \
             (cpu.hoisted, cpu.weight_kept, cpu.target_shape) if cpu else ([], True, None)
         self._y_rows = (-1, *self._y_shape) if self._y_shape is not None else None
@@ -269,107 +245,45 @@ class Runner:
             side_opts = ort.SessionOptions()
             side_opts.intra_op_num_threads, side_opts.log_severity_level = 1, 4
             self._side = ort.InferenceSession(cpu.side, side_opts, providers=["CPUExecutionProvider"])
-        stripped, self.batch_size, self._epoch, self._loop_io = _without_values(model, initial), batch_size, None, {}
-        self._loop_bound: list[tuple | None] = [None] * _N_SETS  # NOTE: per epoch binding: (steps, batch) it holds
-        self._cpu = stripped if cpu and scannable(model) else None  # NOTE: the epoch model's body, made when used
+        self.batch_size = batch_size
+        scan = scannable(model) if cpu else False  # NOTE: whether epochs run as one Scan (EpochLoop)
         # NOTE: the step's session runs batches of ``batch_size`` rows; other lengths run on the model as compiled.
         # Only for steps that epochs run one by one: a small step's epoch is one Scan run (its own session), its
         # step session then runs the short last batch, and a second session would cost more than it saves
         rows = batch_size if type(batch_size) is int and 0 < batch_size <= MAX_SPECIALIZED_ROWS and (
-            self._cpu is None or self._size * batch_size >= SMALL_STEP) else None  # NOTE: bad sizes fail later
-        fixed = _without_values(model, initial, self.train_step.inputs[0], rows) if rows else None
-        self._fixed_rows, self._free, self._extra = (batch_size if fixed else None), stripped, {}
-        self._providers = providers
+            not scan or self._size * batch_size >= SMALL_STEP) else None  # NOTE: bad sizes fail later
+        taken = {i.name for i in model.graph.input}  # NOTE: a step without a forward pass (distributed's update)
+        views = [n for n in packs.get(PACK_WEIGHTS, []) if n in taken]  # reads only the pack
+        self._ring = BufferRing(initial, [*roles.weights, *roles.buffers, *roles.state], packs, self.dtype, device,
+                                cpu.rows if cpu else (), views)
         try:
-            self.session = None
-            if fixed:  # NOTE: a graph whose shapes contradict the batch length fails at run time, as compiled
-                try:
-                    self.session = ort.InferenceSession(fixed, opts, providers=providers,
-                                                        disabled_optimizers=KEEP_DROPOUT)
-                except Exception:  # noqa: BLE001  (the session as compiled says what is wrong, if anything)
-                    self._fixed_rows = None
-            if self.session is None:
-                self.session = ort.InferenceSession(stripped, opts, providers=providers,
-                                                    disabled_optimizers=KEEP_DROPOUT)
+            self._sessions = StepSessions(model, initial, roles.data[0], rows, opts, providers, self._ring, roles.loss)
         except Exception as exc:
             raise _missing_kernel(exc, self.train_step.model, device) or _contradicted_shapes(exc) or exc
+        self._epochs = EpochLoop(self._sessions.free, self._ring, roles.data[0], roles.target, roles.loss,
+                                 roles.sample_weight, opts, self._device) if scan else None
         # NOTE: as the step declares them (the session's target and sample weights may be specialized, cpu_model)
         self._input_types = {i.name: i.type.tensor_type for i in self.train_step.model.graph.input}
-        self._carried = [*self.train_step.weights, *self.train_step.buffers, *self.train_step.state]
-        members = {m for names in self._packs.values() for m in names}
-        # NOTE: what the session reads and writes: packs and unpacked tensors; packed weights are read as views
-        self._bound = [*self._packs, *(n for n in self._carried if n not in members)]
-        taken = {i.name for i in model.graph.input}  # NOTE: a step without a forward pass (distributed's update)
-        self._views = [n for n in self._packs.get(PACK_WEIGHTS, []) if n in taken]  # reads only the pack
-        # NOTE: per set, its host buffers: the packs' memory (their OrtValues and views do not own it) and the rest
-        self._hosts: list[list[np.ndarray]] = []
-        self._rows = cpu.rows if cpu else ()
-        self._row_sets: list[dict[str, ort.OrtValue]] = []  # NOTE: per set, (1, n) views of the ``_rows`` vectors
-        self._sets = [self._zeros_like(initial) for _ in range(_N_SETS)]
-        self.set_weights(initial, _all_sets=True)
-        self._bindings = [self._bind(k) for k in range(_N_SETS)]
-        self._raw = [b._iobinding for b in self._bindings]  # NOTE: the C binding: no wrapper call per step
-        # NOTE: the loss is written into host arrays: reading it is a memory read, not an ORT call
-        self._loss_host = [np.zeros((), self.dtype) for _ in range(_N_SETS)]
-        self._loss_values = [C.OrtValue.ortvalue_from_numpy(a, _HOST) for a in self._loss_host]
-        for raw, value in zip(self._raw, self._loss_values):
-            raw.bind_ortvalue_output(self.train_step.loss, value)
-        self._history = ort.OrtValue.ortvalue_from_shape_and_type([_HISTORY], self.dtype, device, 0)
-        self._history_host = np.zeros(_HISTORY, self.dtype)  # NOTE: on CPU, deferred losses are copied here
-        self._pending = 0  # NOTE: deferred steps whose loss sits in _history, not read yet
-        self._synced: list[np.ndarray] = []  # NOTE: losses read by automatic syncs; the next sync() returns them
-        self._snapshot: dict[str, np.ndarray] | None = None
-        self._current = 0
-        self._previous_valid = False
+        self._losses = _Deferred(self.dtype, device)
         self._ones: dict[int, tuple] = {}  # NOTE: per batch length: the OrtValues fed for all-ones sample weights
         self._fed: dict[tuple[int, str], np.ndarray] = {}  # NOTE: (binding, input): the host buffer it holds (_feed)
         self._bound_ones: dict[int, tuple | None] = {}  # NOTE: per binding (id): the ones it holds as sample weights
-        self._x_name, self._y_name, self._w_name = self.train_step.inputs[0], self.train_step.target, self.train_step.sample_weight
-        self._y_dtype = np.int64 if self.train_step.target_kind == "index" else self.dtype
+        self._x_name, self._y_name, self._w_name = roles.data[0], roles.target, roles.sample_weight
+        self._y_dtype = np.int64 if roles.target_kind == "index" else self.dtype
         # NOTE: X keeps the model input's own type (int64 tokens for an Embedding), not the weights'
-        self.x_dtype = ir.DataType(self._input_types[self._x_name].elem_type).numpy()
+        self.x_dtype = ir.DataType(self._input_types[roles.data[0]].elem_type).numpy()
         self.n_runs = 0
 
-    # -- buffers -----------------------------------------------------------------------------------------
-    def _zeros_like(self, initial: Mapping[str, np.ndarray]) -> dict[str, ort.OrtValue]:
-        arrays, hosts = {}, []  # NOTE: each tensor's host memory: its own array, or a view of its pack's
-        for pack, names in self._packs.items():  # NOTE: one flat buffer per pack, each member a view of it
-            shapes = [initial[n if n in initial else n.rsplit(".", 1)[0]].shape for n in names]
-            flat = np.zeros(sum(int(np.prod(sh)) for sh in shapes), self.dtype)
-            hosts.append(flat)
-            arrays[pack] = flat
-            offset = 0
-            for name, shape in zip(names, shapes):
-                size = int(np.prod(shape))
-                arrays[name] = flat[offset:offset + size].reshape(shape)
-                offset += size
-        for name in self._carried:
-            if name in arrays:
-                continue
-            if name == STEP:
-                arr = np.zeros((), np.int64)
-            else:
-                arr = np.zeros_like(initial[name if name in initial else name.rsplit(".", 1)[0]])
-            hosts.append(arr)
-            arrays[name] = arr
-        self._hosts.append(hosts)  # NOTE: on CPU the OrtValues wrap these arrays
-        value = lambda a: ort.OrtValue.ortvalue_from_numpy(a, self.device, 0)  # noqa: E731
-        self._row_sets.append({name: value(arrays[name].reshape(1, -1)) for name in self._rows})
-        return {name: value(a) for name, a in arrays.items()}
+    @property
+    def roles(self) -> Roles:
+        """The step's names by role (data, target, weights, state, buffers, loss, swap map), read from its
+        protocol (``protocol.Roles``)."""
+        return self._roles
 
-    def _bound_value(self, k: int, name: str) -> C.OrtValue:
-        """The OrtValue of set ``k`` bound for ``name``: a (1, n) view for a vector the model reads as a row."""
-        return self._row_sets[k].get(name, self._sets[k][name])._ortvalue
-
-    def _bind(self, k: int, session: ort.InferenceSession | None = None) -> ort.IOBinding:
-        binding = (session or self.session).io_binding()
-        raw = binding._iobinding
-        for name in self._bound:
-            raw.bind_ortvalue_input(name, self._bound_value(k, name))
-            raw.bind_ortvalue_output(name + NEW, self._bound_value((k + 1) % _N_SETS, name))
-        for name in self._views:
-            raw.bind_ortvalue_input(name, self._bound_value(k, name))
-        return binding
+    @property
+    def session(self) -> ort.InferenceSession:
+        """The step's onnxruntime session (for batches of ``batch_size`` rows)."""
+        return self._sessions.session
 
     # -- training ----------------------------------------------------------------------------------------
     @staticmethod
@@ -401,23 +315,18 @@ class Runner:
 
     def _weight_values(self, w: np.ndarray) -> tuple[list[tuple[str, C.OrtValue]], list[np.ndarray]]:
         """(name, OrtValue) pairs fed for all-ones sample weights ``w`` (``hoist``) and the arrays they read."""
-        named = dict(zip(self._hoisted, self._side.run(None, {self._w_name: w}))) if self._side is not None else {}
+        w_name = self._roles.sample_weight
+        named = dict(zip(self._hoisted, self._side.run(None, {w_name: w}))) if self._side is not None else {}
         if self._w_kept:
-            named[self._w_name] = w
+            named[w_name] = w
         return [(k, C.OrtValue.ortvalue_from_numpy(a, self._device)) for k, a in named.items()], [w, *named.values()]
 
-    def _bindings_of(self, model: bytes) -> tuple[C.InferenceSession, list]:
-        """A second session over ``model`` and its bindings, one per buffer set (made once per model): for
-        batches given sample weights (``CpuModel.weighted``) or of another length than ``batch_size``."""
-        made = self._extra.get(id(model))
-        if made is None:
-            session = ort.InferenceSession(model, self._opts, providers=self._providers,
-                                           disabled_optimizers=KEEP_DROPOUT)
-            bindings = [self._bind(k, session) for k in range(_N_SETS)]
-            for binding, value in zip(bindings, self._loss_values):
-                binding._iobinding.bind_ortvalue_output(self.train_step.loss, value)
-            made = self._extra[id(model)] = (session, bindings, session._sess, [b._iobinding for b in bindings])
-        return made[2], made[3]
+    def _ones_of(self, n: int) -> tuple:
+        """The all-ones sample weights' OrtValues for batches of ``n`` rows (made once per length)."""
+        ones = self._ones.get(n)
+        if ones is None:
+            ones = self._ones[n] = self._weight_values(np.ones(n, self.dtype))
+        return ones
 
     def step(self, X, y=None, sample_weight=None, read_loss: bool = True, output_grad=None) -> float | None:
         """One fused run on a batch; returns the loss. Raises ConvergenceError, keeping the last good weights.
@@ -433,13 +342,14 @@ class Runner:
         X = self._array(X, self.x_dtype, "X")
         if not X.ndim or not X.shape[0]:  # NOTE: onnxruntime >= 1.20 runs an empty batch (a NaN or 0 loss)
             raise DataError(f"X: expected at least one sample, got shape {X.shape}")
+        sessions, ring = self._sessions, self._ring
         if sample_weight is not None and self._weighted is not None:  # NOTE: a session keeping sample weights
-            sess, raws = self._bindings_of(self._weighted)
-        elif self._fixed_rows is not None and X.shape[0] != self._fixed_rows:
-            sess, raws = self._bindings_of(self._free)
+            sess, raws = sessions.bindings_of(self._weighted)
+        elif sessions.fixed_rows is not None and X.shape[0] != sessions.fixed_rows:
+            sess, raws = sessions.bindings_of(sessions.free)
         else:
-            sess, raws = self.session._sess, self._raw
-        raw = raws[self._current]
+            sess, raws = sessions.session._sess, sessions.raw
+        raw = raws[ring.current]
         self._feed(raw, self._x_name, X)
         keep = [X]  # NOTE: OrtValues over numpy memory do not own it: keep the arrays alive until the run ends
         if self._y_name is not None:
@@ -448,10 +358,7 @@ class Runner:
             keep.append(arr)
         if self._w_name is not None:
             if sample_weight is None:  # NOTE: unweighted batches share one ones-OrtValue per batch length
-                n = X.shape[0] if X.ndim else 0
-                ones = self._ones.get(n)
-                if ones is None:
-                    ones = self._ones[n] = self._weight_values(np.ones(n, self.dtype))
+                ones = self._ones_of(X.shape[0] if X.ndim else 0)
                 if self._bound_ones.get(id(raw)) is not ones:  # NOTE: a bind costs ~0.6 µs, a step ~25 µs
                     for name, value in ones[0]:
                         raw.bind_ortvalue_input(name, value)
@@ -465,7 +372,7 @@ class Runner:
         elif sample_weight is not None:
             raise DataError("sample_weight: the compiled loss takes no sample weight (its function has no "
                             "'sample_weight' input), got an array")
-        grad_name = self.train_step.output_grad
+        grad_name = self._roles.output_grad
         if (grad_name is None) != (output_grad is None):
             raise DataError(f"output_grad: the step takes {grad_name!r} (None: no output gradient), got "
                             f"{'None' if output_grad is None else 'an array'}")
@@ -475,29 +382,26 @@ class Runner:
             keep.append(arr)
         if not read_loss:
             return self._deferred(sess, raw, keep)
-        if self._pending:
-            self._synced = [self.sync()]
+        if self._losses.pending:
+            self._losses.synced = [self.sync()]
         self._run(sess, raw, keep)
         self.n_runs += 1
-        loss = float(self._loss_host[self._current])
+        loss = float(sessions.loss_host[ring.current])
         if not math.isfinite(loss):
             failed = self.step_count + 1
-            if self._previous_valid:  # NOTE: the set before the inputs holds the weights of the last finite loss
-                self._current = (self._current - 1) % _N_SETS
-                self._previous_valid = False
+            ring.step_back()  # NOTE: the set before the inputs holds the weights of the last finite loss
             raise ConvergenceError(
                 f"loss became {loss} at step {failed}; weights were reset to those that gave the last finite "
                 f"loss (step {self.step_count + 1}), see get_weights()")
-        self._current = (self._current + 1) % _N_SETS
-        self._previous_valid = True
+        ring.advance()
         return loss
 
     def _target(self, y, X: np.ndarray) -> np.ndarray:
         """``y`` checked against the batch ``X`` and shaped as the session reads it."""
         if y is None:
             raise DataError(f"y: the compiled loss needs targets for {self._y_name!r}, got None")
-        if self.train_step.target_kind == "index":  # NOTE: a bad index would pick another class or fail in ORT
-            y = check_class_indices(y, self.train_step.classes)
+        if self._roles.target_kind == "index":  # NOTE: a bad index would pick another class or fail in ORT
+            y = check_class_indices(y, self._roles.classes)
         arr = self._array(y, self._y_dtype, "y")
         if arr.shape[:1] != X.shape[:1]:  # NOTE: the loss reshapes targets like the prediction: check rows
             raise self._data_error([X, arr], f"y: expected one row per sample of X, got shape {arr.shape}")
@@ -537,8 +441,8 @@ class Runner:
         y = self._target(y, X) if self._y_name is not None else y
         if sample_weight is not None:
             sample_weight = self._sample_weight(sample_weight, [X, y])
-        full = n // batch if self._cpu is not None and sample_weight is None and self._y_name is not None \
-            and self.train_step.output_grad is None and self._size * batch < SMALL_STEP else 0
+        full = n // batch if self._epochs is not None and sample_weight is None and self._y_name is not None \
+            and self._roles.output_grad is None and self._size * batch < SMALL_STEP else 0
         losses = self._loop(X[:full * batch], y[:full * batch], full, batch) if full > 1 else []
         for k, start in enumerate(range(len(losses) * batch, n, batch), len(losses) + 1):
             try:
@@ -556,65 +460,13 @@ class Runner:
                                    f"weight per sample of X), got {arr.shape}")
         return arr
 
-    def _epoch_session(self) -> tuple[C.InferenceSession, list]:
-        """The session of the epoch model (``passes.epoch``) and its bindings, one per buffer set (made once)."""
-        if self._epoch is None:
-            views = (PACK_WEIGHTS, [(m, tuple(self._sets[0][m].shape())) for m in self._views]) if self._views else None
-            self._epoch_model = epoch_model(onnx.load_from_string(self._cpu), [self._x_name, self._y_name], self._bound,
-                                           views, self.train_step.loss)
-            session = ort.InferenceSession(self._epoch_model.SerializeToString(), self._opts,
-                                           providers=["CPUExecutionProvider"], disabled_optimizers=KEEP_DROPOUT)
-            self._epoch = (session._sess, [session.io_binding()._iobinding for _ in range(_N_SETS)])
-            self._check = np.full((), np.nan, self.dtype)
-            check = C.OrtValue.ortvalue_from_numpy(self._check, self._device)
-            for k, raw in enumerate(self._epoch[1]):  # NOTE: reads set k, ends with the last step's inputs in
-                raw.bind_ortvalue_output(CHECK, check)
-                for name in self._bound:  # set k + 1 and its outputs in set k + 2, as the steps would
-                    raw.bind_ortvalue_input(PREFIX + name, self._bound_value(k, name))
-                    raw.bind_ortvalue_output(PREFIX + name + LAST, self._bound_value((k + 1) % _N_SETS, name))
-                    raw.bind_ortvalue_output(PREFIX + name + NEW, self._bound_value((k + 2) % _N_SETS, name))
-        return self._epoch
-
     def _loop(self, X: np.ndarray, y: np.ndarray, steps: int, batch: int) -> list[float]:
-        """Losses of ``steps`` batches of ``batch`` rows run as one Scan; none, weights unchanged, on a NaN."""
-        if self._pending:
-            self._synced = [self.sync()]
-        sess, raws = self._epoch_session()
-        raw, first, valid = raws[self._current], self._current, self._previous_valid
-        if steps not in self._loop_io:  # NOTE: the losses' buffer and the Scan's count per epoch length, bound
-            arrays = np.empty(steps, self.dtype), np.array(steps - 1, np.int64)  # once per binding while it lasts
-            self._loop_io[steps] = (*arrays, *(C.OrtValue.ortvalue_from_numpy(a, self._device) for a in arrays))
-        losses = self._loop_io[steps][0]
-        cut = (steps - 1) * batch  # NOTE: the Scan runs all batches but the last, the outer graph the last
-        for name, arr in ((self._x_name, X), (self._y_name, y)):
-            head = arr[:cut].reshape(steps - 1, batch, *arr.shape[1:])
-            raw.bind_ortvalue_input(PREFIX + name, C.OrtValue.ortvalue_from_numpy(head, self._device))
-            raw.bind_ortvalue_input(PREFIX + name + LAST, C.OrtValue.ortvalue_from_numpy(arr[cut:], self._device))
-        if self._loop_bound[first] != (steps, batch):
-            raw.bind_ortvalue_output(PREFIX + "losses", self._loop_io[steps][2])
-            if any(v.name == COUNT for v in self._epoch_model.graph.input):
-                raw.bind_ortvalue_input(COUNT, self._loop_io[steps][3])
-            if self._w_name is not None:
-                if batch not in self._ones:
-                    self._ones[batch] = self._weight_values(np.ones(batch, self.dtype))
-                for name, value in self._ones[batch][0]:
-                    raw.bind_ortvalue_input(name, value)
-            self._loop_bound[first] = (steps, batch)
-        # NOTE: the Scan also writes the set before ``first`` (the last step's inputs): kept for a replay
-        before = self._hosts[(first - 1) % _N_SETS]
-        saved = [a.copy() for a in before] if valid else []
-        ok = False
-        try:
-            self._run(sess, raw, [X, y])
-            self.n_runs += 1
-            ok = math.isfinite(self._check)  # NOTE: the sum of the losses and new tensors (an overflow replays too)
-        finally:
-            for a, b in zip(before, saved if not ok else []):  # NOTE: a refused batch, or a NaN: epoch() replays
-                np.copyto(a, b)  # the batches with step from the epoch's first weights, which stay current
-        if not ok:
-            return []
-        self._current, self._previous_valid = (first + 2) % _N_SETS, True
-        return losses.tolist()
+        """Losses of ``steps`` batches of ``batch`` rows run as one Scan (``EpochLoop``); none on a NaN."""
+        if self._losses.pending:
+            self._losses.synced = [self.sync()]
+        losses = self._epochs.run(X, y, steps, batch, self._ones_of, self._run)
+        self.n_runs += 1
+        return losses
 
     def _run(self, sess, raw, keep) -> None:
         """One run of ``sess`` with binding ``raw``; ORT's shape/type errors become a DataError naming the batch."""
@@ -624,24 +476,25 @@ class Runner:
             raise self._data_error(keep, exc) from exc
 
     def _deferred(self, sess, raw, keep) -> None:
-        if self._pending == _HISTORY:
-            self._synced = [self.sync()]
-        if not self._pending:
-            self._snapshot = {**self.get_weights(), **self.get_state()}
+        losses, ring, loss = self._losses, self._ring, self._roles.loss
+        if losses.pending == _HISTORY:
+            losses.synced = [self.sync()]
+        if not losses.pending:
+            losses.snapshot = {**self.get_weights(), **self.get_state()}
         if self.device == "cpu":  # NOTE: the loss lands in a host scalar: copying it costs less than rebinding
             self._run(sess, raw, keep)
-            self._history_host[self._pending] = self._loss_host[self._current]
+            losses.host[losses.pending] = self._sessions.loss_host[ring.current]
         else:
-            slot = self._history.data_ptr() + self._pending * self.dtype.itemsize
-            raw.bind_output(self.train_step.loss, self._device, self.dtype, [], slot)
+            slot = losses.device.data_ptr() + losses.pending * self.dtype.itemsize
+            raw.bind_output(loss, self._device, self.dtype, [], slot)
             try:
                 self._run(sess, raw, keep)
             finally:
-                raw.bind_ortvalue_output(self.train_step.loss, self._loss_values[self._current])
+                raw.bind_ortvalue_output(loss, self._sessions.loss_values[ring.current])
         self.n_runs += 1
-        self._pending += 1
-        self._current = (self._current + 1) % _N_SETS
-        self._previous_valid = False
+        losses.pending += 1
+        ring.advance()
+        ring.previous_valid = False
         return None
 
     @_locked
@@ -652,13 +505,14 @@ class Runner:
         1024 deferred steps, or before a step that reads its loss). On a NaN or infinite loss, the weights
         and state go back to those of the last sync and ConvergenceError is raised.
         """
-        losses = (self._history_host if self.device == "cpu" else self._history.numpy())[: self._pending]
+        deferred = self._losses
+        losses = (deferred.host if self.device == "cpu" else deferred.device.numpy())[: deferred.pending]
         losses = losses.astype(np.float64)
-        self._pending, earlier, self._synced = 0, self._synced, []
+        deferred.pending, earlier, deferred.synced = 0, deferred.synced, []
         bad = np.flatnonzero(~np.isfinite(losses))
         if bad.size:
             last = self.step_count
-            self.set_weights(self._snapshot)
+            self.set_weights(deferred.snapshot)
             raise ConvergenceError(
                 f"loss became {losses[bad[0]]} at step {last - len(losses) + bad[0] + 1}; weights were reset to "
                 f"those of step {self.step_count} (the last synced step), see get_weights()")
@@ -673,16 +527,13 @@ class Runner:
         if not bad:
             return
         failed, kept = self.step_count, "they were reset to those that gave its loss"
-        if self._previous_valid:
-            self._current = (self._current - 1) % _N_SETS
-            self._previous_valid = False
-        else:
+        if not self._ring.step_back():
             kept = "no earlier weights are kept (set_weights, a checkpoint or deferred steps came last)"
         raise ConvergenceError(f"weights: {bad} became NaN or infinite at step {failed} although its loss was "
                                f"finite; {kept}, see get_weights()")
 
     def _data_error(self, arrays, exc: Exception | str) -> Exception:
-        names = [n for n in (self._x_name, self._y_name, self._w_name, self.train_step.output_grad) if n is not None]
+        names = [n for n in (self._x_name, self._y_name, self._w_name, self._roles.output_grad) if n is not None]
         given = ", ".join(f"{n}{tuple(a.shape)} {a.dtype}" for n, a in zip(names, arrays))
         types = self._input_types
         dims = {n: [d.dim_param or d.dim_value for d in types[n].shape.dim] if types[n].HasField("shape")
@@ -698,48 +549,34 @@ class Runner:
     @_locked
     def step_count(self) -> int:
         """Steps completed so far."""
-        return int(self._sets[self._current][STEP].numpy())
+        return self._ring.step_count
 
     # -- weights -----------------------------------------------------------------------------------------
     @_locked
     def current_values(self) -> dict[str, ort.OrtValue]:
         """The OrtValues holding the current weights and state (on the device), valid until the next step."""
-        return dict(self._sets[self._current])
+        return dict(self._ring.sets[self._ring.current])
 
     @_locked
     def get_weights(self) -> dict[str, np.ndarray]:
         """Copies of the current weights."""
-        cur = self._sets[self._current]
-        return {name: cur[name].numpy().copy() for name in self.train_step.weights}
+        return self._ring.read(self._roles.weights)
 
     @_locked
     def get_state(self) -> dict[str, np.ndarray]:
         """Copies of the current optimizer state, running statistics (``TrainStep.buffers``) and step counter."""
-        cur = self._sets[self._current]
-        return {name: cur[name].numpy().copy() for name in [*self.train_step.buffers, *self.train_step.state]}
+        return self._ring.read([*self._roles.buffers, *self._roles.state])
 
     @_locked
-    def set_weights(self, weights: Mapping[str, np.ndarray], _all_sets: bool = False) -> None:
+    def set_weights(self, weights: Mapping[str, np.ndarray]) -> None:
         """Overwrites some or all weights (and state tensors, by name) in place."""
-        targets = self._sets if _all_sets else [self._sets[self._current]]
-        for name, value in weights.items():
-            if name not in self._carried:
-                raise DataError(f"weights: {name!r} is not a trained weight or state (expected one of {self._carried})")
-            ref = targets[0][name]
-            arr = np.asarray(value)
-            if tuple(arr.shape) != tuple(ref.shape()):
-                raise DataError(f"weights: {name!r} has shape {arr.shape}, expected {tuple(ref.shape())}")
-            arr = np.ascontiguousarray(arr, dtype=np.int64 if name == STEP else self.dtype)
-            for s in targets:
-                s[name].update_inplace(arr)
-        self._previous_valid = False
+        self._ring.write(weights)
 
+    # -- checkpoints and export --------------------------------------------------------------------------
     @_locked
     def save_checkpoint(self, path: str | os.PathLike, meta: Mapping | None = None) -> None:
         """Writes weights, optimizer state and step count to ``path``, atomically and with a SHA-256 checksum
         (``onnxopt.checkpoint``); ``meta`` (JSON values, e.g. a ``kind`` and a history) is stored with them."""
-        from onnxopt.checkpoint import save_arrays
-
         arrays = {**self.get_weights(), **self.get_state()}
         save_arrays(path, arrays, {"kind": "onnxopt.Runner", "step": self.step_count, **(meta or {})})
 
@@ -748,27 +585,26 @@ class Runner:
         """Restores what ``save_checkpoint`` wrote and returns its metadata; training then continues bit for
         bit. The file is verified (checksum, names, shapes, dtypes, and its ``kind`` when given) before any
         weight changes: a bad one raises CheckpointError."""
-        from onnxopt.checkpoint import load_arrays
-
-        expected = {n: (a.shape, a.dtype) for n, a in {**self.get_weights(), **self.get_state()}.items()}
-        arrays, meta = load_arrays(path, expected)
-        if kind is not None and meta.get("kind") != kind:
-            raise CheckpointError(f"checkpoint: {os.fspath(path)!r} was written by {meta.get('kind')!r}, "
-                                  f"expected {kind!r}")
+        arrays, meta = restore_arrays(path, {**self.get_weights(), **self.get_state()}, kind)
         self.set_weights(arrays)
         return meta
 
     @_locked
     def export(self) -> onnx.ModelProto:
         """The user's original inference model with the trained weights (and running statistics, mode="train")
-        written into its initializers."""
-        model = onnx.ModelProto()
-        model.ParseFromString(self.train_step.inference)
-        weights = self.get_weights()
-        weights.update({name: value for name, value in self.get_state().items() if name in self.train_step.buffers})
-        for init in model.graph.initializer:
-            if init.name in weights:
-                init.CopyFrom(ir.serde.serialize_tensor(ir.tensor(weights[init.name], name=init.name)))
-        from onnxopt.ml_rules import restore_zipmap  # NOTE: the classifier's list-of-dicts output, as converted
+        written into its initializers (``TrainStep.inference_model``)."""
+        buffers = self._ring.read(self._roles.buffers)
+        return self.train_step.inference_model({**self.get_weights(), **buffers})
 
-        return restore_zipmap(model)
+
+class _Deferred:
+    """The losses of steps run with ``read_loss=False``: ``pending`` of them in ``host`` (CPU) or ``device``
+    (CUDA, written in place by the runs), those read by automatic syncs (``synced``), and the weights and state
+    before the first (``snapshot``), which a NaN among them restores."""
+
+    def __init__(self, dtype: np.dtype, device: str):
+        self.device = ort.OrtValue.ortvalue_from_shape_and_type([_HISTORY], dtype, device, 0)
+        self.host = np.zeros(_HISTORY, dtype)  # NOTE: on CPU, deferred losses are copied here
+        self.pending = 0
+        self.synced: list[np.ndarray] = []
+        self.snapshot: dict[str, np.ndarray] | None = None

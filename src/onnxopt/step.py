@@ -67,6 +67,18 @@ class TrainStep:
         """The running statistics the fused model starts from (the original model's values)."""
         return self._initial(self.buffers)
 
+    def inference_model(self, values: dict[str, np.ndarray]) -> onnx.ModelProto:
+        """The user's original inference model with ``values`` (trained weights, running statistics) written into
+        its initializers of the same names (``Runner.export``)."""
+        model = onnx.ModelProto()
+        model.ParseFromString(self.inference)
+        for init in model.graph.initializer:
+            if init.name in values:
+                init.CopyFrom(ir.serde.serialize_tensor(ir.tensor(values[init.name], name=init.name)))
+        from onnxopt.ml_rules import restore_zipmap  # NOTE: the classifier's list-of-dicts output, as converted
+
+        return restore_zipmap(model)
+
     @property
     def protocol(self) -> dict:
         """The step's inputs and outputs by role and its swap map, as stored in a saved step (``protocol``)."""

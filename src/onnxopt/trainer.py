@@ -182,7 +182,7 @@ class Trainer:
         self._seed = _seed(self.random_state)
         self._best = (np.inf, 0, None)  # NOTE: best loss, epochs without improvement, weights of the best
         self._position = None  # NOTE: (epoch, blocks, loss sum, rows) of a streamed epoch resumed mid-way
-        x = next(i for i in self.train_step_.model.graph.input if i.name == self.train_step_.inputs[0])
+        x = next(i for i in self.train_step_.model.graph.input if i.name == self.runner_.roles.data[0])
         self._x_shape = [d.dim_value if d.HasField("dim_value") else d.dim_param or None
                          for d in x.type.tensor_type.shape.dim]  # NOTE: as compiled (the runner fixes the batch)
         self._y_shape = None
@@ -218,7 +218,8 @@ class Trainer:
 
     def _bound(self) -> list[str]:
         """The runner's tensors a prediction reads: weights and running statistics (mode="train")."""
-        return [*self.train_step_.weights, *getattr(self.train_step_, "buffers", [])]
+        roles = self.runner_.roles  # NOTE: read from the step's protocol
+        return [*roles.weights, *roles.buffers]
 
     def _run(self, session: ort.InferenceSession, feeds: dict) -> np.ndarray:
         binding = session.io_binding()
@@ -238,22 +239,22 @@ class Trainer:
         dtype = self.runner_.dtype
         X = check_features(X, self._x_shape, self.runner_.x_dtype, self.allow_nan)
         n = X.shape[0]
-        ts = self.train_step_
-        if ts.target is None:
+        roles = self.runner_.roles
+        if roles.target is None:
             if y is not None:
                 raise DataError(f"y: the model computes its own loss ({self.loss_output!r}) and has no target "
                                 "input, got an array")
         else:
             y = self._encode(y, n, fit)
         sw = check_sample_weight(sample_weight, n, dtype)
-        if sw is not None and ts.sample_weight is None:
+        if sw is not None and roles.sample_weight is None:
             raise DataError("sample_weight: the compiled loss takes no sample weight, got an array")
         return X, y, sw
 
     def _encode(self, y, n: int, fit: bool) -> np.ndarray:
         """Class labels -> what the loss reads (indices, 0/1 or one-hot); regression targets as they are."""
         if self._loss is None:  # NOTE: the model computes its own loss: y goes in as its target input declares it
-            kind = next(i.type for i in self.runner_.session.get_inputs() if i.name == self.train_step_.target)
+            kind = next(i.type for i in self.runner_.session.get_inputs() if i.name == self.runner_.roles.target)
             dtype = {"tensor(int64)": np.int64, "tensor(double)": np.float64}.get(kind, np.float32)
             return check_target(y, n, dtype, None, self.allow_nan)
         if self._kind == "regression":
@@ -382,7 +383,7 @@ class Trainer:
 
     def _start_from_better(self, X, y, sw) -> None:
         """Keeps the folded initial weights or the unfolded ones (see onnxopt.scaling), whichever fits X better."""
-        unfolded = {k: v for k, v in self._unfolded.items() if k in self.train_step_.weights}
+        unfolded = {k: v for k, v in self._unfolded.items() if k in self.runner_.roles.weights}
         folded = {k: v for k, v in self.runner_.get_weights().items() if k in unfolded}
         self._unfolded = {}
         before = self._validation_loss(X, y, sw)
@@ -473,7 +474,7 @@ class Trainer:
 
     def _validation_loss(self, X, y, sw) -> float:
         ones = np.ones(X.shape[0], self.runner_.dtype)
-        feeds = {self.train_step_.inputs[0]: X, "target": y, "sample_weight": ones if sw is None else sw}
+        feeds = {self.runner_.roles.data[0]: X, "target": y, "sample_weight": ones if sw is None else sw}
         return float(self._run(self._evaluation_session(), feeds))
 
     def _no_improvement(self) -> bool:
@@ -520,7 +521,7 @@ class Trainer:
         if self._predictor is None:
             self._sessions()
         X = check_features(X, self._x_shape, self.runner_.x_dtype, self.allow_nan)
-        return self._run(self._predictor, {self.train_step_.inputs[0]: X})
+        return self._run(self._predictor, {self.runner_.roles.data[0]: X})
 
     def predict(self, X) -> np.ndarray:
         """Predictions of the model with the current weights; class labels for classifiers."""

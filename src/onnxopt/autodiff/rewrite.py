@@ -12,8 +12,8 @@ Each family module (``elementwise``, ``linalg``, ``conv``, ``norm``, ``reduce``,
   given to the training build's builder (``passes.decompose.register_gradients``) and run as a rule
   (``autodiff.templates``).
 
-``load_rewrites()`` imports the family modules once and returns ``REWRITES``; the helpers below are shared by
-the families' rewrites.
+This module is the tables only: it imports no family (they import it). ``onnxopt.autodiff.load_rewrites()``
+imports the family modules once and returns ``REWRITES``; the helpers below are shared by the families' rewrites.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["Rewrite", "REWRITES", "GRADIENTS", "TEMPLATE_FAMILIES", "rewrite", "template", "load_rewrites"]
+__all__ = ["Rewrite", "REWRITES", "GRADIENTS", "TEMPLATE_FAMILIES", "rewrite", "template"]
 
 
 @dataclass(frozen=True)
@@ -56,19 +56,6 @@ def template(op_type: str, nodes: list[tuple], *, family: str) -> None:
     """Registers the gradient definition ``nodes`` of ``op_type`` in ``GRADIENTS``."""
     GRADIENTS[op_type] = nodes
     TEMPLATE_FAMILIES[op_type] = family
-
-
-_loaded = False
-
-
-def load_rewrites() -> dict[str, Rewrite]:
-    """Imports every family module (each registers its rules, rewrites and templates) once; returns ``REWRITES``."""
-    global _loaded
-    if not _loaded:
-        from onnxopt.autodiff import conv, elementwise, linalg, norm, reduce, shape, signal  # noqa: F401
-
-        _loaded = True
-    return REWRITES
 
 
 # ---- helpers of the gradient definitions: (op_type, inputs, outputs[, {attribute: value}]) per node

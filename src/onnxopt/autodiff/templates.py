@@ -40,9 +40,9 @@ def _run(template: list[tuple]):
 
 
 def register() -> None:
-    from onnxopt.autodiff.rewrite import GRADIENTS, TEMPLATE_FAMILIES, load_rewrites
+    """Registers every gradient definition of ``rewrite.GRADIENTS`` as a rule (``load_rules`` fills it first)."""
+    from onnxopt.autodiff.rewrite import GRADIENTS, TEMPLATE_FAMILIES
 
-    load_rewrites()
     for op_type, template in GRADIENTS.items():
         doc = "a gradient definition, as given to the training build (autodiff.rewrite.GRADIENTS)"
         RULES["", op_type] = Rule(op_type, _run(template), TEMPLATE_FAMILIES[op_type], "", None, doc)

@@ -106,8 +106,8 @@ class Onnxopt(Competitor):
         if self.looped:
             self.note = "epoch() per epoch: its full batches in one run (ONNX Scan)"
             if self.runner._size * wl.batch < onnxopt.runner.SMALL_STEP:  # NOTE: per step: the Scan's body
-                self.runner._epoch_session()
-                self.nodes = ort_kernels(self.runner._epoch_model, wl.threads)
+                self.runner._epochs.session()
+                self.nodes = ort_kernels(self.runner._epochs.model, wl.threads)
             else:
                 self.note = "epoch(): one step per batch (a large step)"
         else:

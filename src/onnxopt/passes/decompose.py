@@ -28,7 +28,8 @@ from onnxscript.rewriter import MatchResult, RewriteRule
 
 from onnxopt import graphs
 from onnxopt.autodiff.recurrent import _rebuild
-from onnxopt.autodiff.rewrite import GRADIENTS, REWRITES, load_rewrites
+from onnxopt.autodiff import load_rewrites
+from onnxopt.autodiff.rewrite import GRADIENTS, REWRITES
 
 __all__ = ["GRADIENTS", "RULES", "decompose", "register_gradients"]
 
