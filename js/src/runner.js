@@ -169,6 +169,7 @@ export class StepRunner {
     } catch (err) {
       const msg = String(err?.message ?? err);
       const missing = /implementation for (\w+)\((\d+)\) node with name '([^']*)'/.exec(msg) ??
+        /(?:[\w.]+:)?(\w+)\(-?\d+\) is not a registered function\/op/.exec(msg) ??
         /(?:unsupported|not supported|No Op registered for) (\w+)/i.exec(msg);
       if (missing) {
         throw new Error(`${what}: this onnxruntime binding has no kernel for the op ${missing[1]}` +
@@ -363,11 +364,11 @@ export class StepRunner {
     for (const [name, value] of Object.entries(values)) {
       const ref = this._current[name];
       if (!names.includes(name)) throw new Error(`${what}: ${JSON.stringify(name)} is not one of ${JSON.stringify(names)}`);
-      const data = value instanceof this.ort.Tensor ? value.data : value;
-      const dims = value instanceof this.ort.Tensor ? value.dims : ref.dims;
-      const type = value instanceof this.ort.Tensor ? value.type : value?.constructor?.name;
-      const ok = data?.constructor === ref.data.constructor && shapeText(dims) === shapeText(ref.dims);
-      if (!ok) throw new Error(`${what}: ${JSON.stringify(name)} expected ${ref.type}${shapeText(ref.dims)}, got ${type}${shapeText(dims ?? [])}`);
+      const isTensor = value instanceof this.ort.Tensor, data = isTensor ? value.data : value;
+      const got = isTensor ? `${value.type}${shapeText(value.dims)}` : `a ${value?.constructor?.name} of ${data?.length} values`;
+      const ok = data?.constructor === ref.data.constructor && data.length === ref.data.length &&
+        (!isTensor || shapeText(value.dims) === shapeText(ref.dims));
+      if (!ok) throw new Error(`${what}: ${JSON.stringify(name)} expected ${ref.type}${shapeText(ref.dims)}, got ${got}`);
       next[name] = new this.ort.Tensor(ref.type, data.slice(), ref.dims);  // NOTE: a copy: the caller keeps its array
     }
     this._replace(next);

@@ -1,0 +1,95 @@
+"""The npm package in js/ against the Python Runner: steps compiled here train in Node on onnxruntime-node and on
+onnxruntime-web's wasm backend (``node --test``, js/test/) and in a headless Chromium (js/test/browser/), giving the
+Runner's losses; what JS writes back (checkpoints, exported models) is read here by the Runner and onnxruntime."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from js_fixtures import BATCH, write_fixtures
+
+import onnxopt
+
+JS = Path(__file__).resolve().parent.parent / "js"
+NODE = shutil.which("node")
+needs_node = pytest.mark.skipif(
+    NODE is None or not (JS / "node_modules" / "onnxruntime-web").is_dir(),
+    reason="needs node and js/node_modules (cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci; .ci/run does it)")
+
+
+def chromium() -> str | None:
+    """Debian's chromium (apt-get install chromium), or CHROMIUM_PATH."""
+    return os.environ.get("CHROMIUM_PATH") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _node(args: list[str], env: dict, timeout: int = 600) -> str:
+    out = subprocess.run([NODE, *args], cwd=JS, env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, (out.stdout[-6000:] + out.stderr[-3000:])
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("js_fixtures")
+    return folder, write_fixtures(folder, cnn=_torch())
+
+
+@needs_node
+def test_node_and_wasm_train_as_python(fixtures, tmp_path):
+    folder, manifest = fixtures
+    out = _node(["--test", "test/"], {"ONNXOPT_JS_FIXTURES": str(folder), "ONNXOPT_JS_OUT": str(tmp_path)})
+    assert "# fail 0" in out and "# skipped 0" in out, out[-3000:]
+    # NOTE: what JS wrote back, read by Python: its checkpoint resumes a Runner, its export runs in onnxruntime
+    for case in manifest["cases"]:
+        path = folder / case["step"]
+        X = np.fromfile(folder / case["X"]["file"], np.float32).reshape(case["X"]["dims"])
+        y = np.fromfile(folder / case["y"]["file"], case["y"]["type"]).reshape(case["y"]["dims"])
+        w = None if "sample_weight" not in case else np.fromfile(folder / case["sample_weight"]["file"], np.float32)
+        reference = onnxopt.Runner(path, batch_size=BATCH)
+        for i in range(0, len(X), BATCH):
+            reference.step(X[i:i + BATCH], y[i:i + BATCH], None if w is None else w[i:i + BATCH])
+        expected = reference.export()
+        for binding in ("node", "web"):
+            runner = onnxopt.Runner(path, batch_size=BATCH)
+            meta = runner.load_checkpoint(tmp_path / f"{case['name']}.{binding}.ckpt", kind="onnxopt.Runner")
+            assert meta["from"] == binding and runner.step_count == len(case["steps"])
+            for name, value in reference.get_weights().items():
+                np.testing.assert_allclose(runner.get_weights()[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+            trained = onnx.load(tmp_path / f"{case['name']}.{binding}.trained.onnx")
+            onnx.checker.check_model(trained)
+            got = ort.InferenceSession(trained.SerializeToString()).run(None, {trained.graph.input[0].name: X})[0]
+            want = ort.InferenceSession(expected.SerializeToString()).run(None, {expected.graph.input[0].name: X})[0]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_node
+@pytest.mark.skipif(chromium() is None, reason="needs Debian's chromium (apt-get install -y chromium; .ci/run does it)")
+def test_headless_chromium_trains_as_python(fixtures):
+    if not _torch():
+        pytest.skip("the browser test trains the CNN torch.onnx.export writes: needs torch")
+    folder, manifest = fixtures
+    out = _node(["test/browser/run.js"], {"ONNXOPT_JS_FIXTURES": str(folder), "CHROMIUM_PATH": chromium()})
+    report = json.loads(out.strip().splitlines()[-1])
+    assert {c["name"] for c in report["cases"]} >= {"mlp", "cnn"}, report
+    for case in report["cases"]:
+        want = next(c for c in manifest["cases"] if c["name"] == case["name"])
+        np.testing.assert_allclose(case["steps"], want["steps"], rtol=1e-4, err_msg=case["name"])
+        if "epoch" in want:
+            np.testing.assert_allclose(case["epoch"], want["epoch"], rtol=1e-4, err_msg=case["name"])
