@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 from js_fixtures import BATCH, write_fixtures
 
 import onnxopt
+from onnxopt import cli
 
 JS = Path(__file__).resolve().parent.parent / "js"
 NODE = shutil.which("node")
@@ -79,13 +81,45 @@ def test_node_and_wasm_train_as_python(fixtures, tmp_path):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    """The examples' inputs (js/examples/make_data.py) and the step ``onnxopt compile --js`` writes from them."""
+    folder = tmp_path_factory.mktemp("js_example")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    subprocess.run([sys.executable, str(JS / "examples" / "make_data.py"), str(folder)], check=True, env=env,
+                   capture_output=True, timeout=300)
+    argv = ["compile", str(folder / "classifier.onnx"), "--loss", "cross_entropy", "--update", "adam", "--lr", "0.01",
+            "--js", "-o", str(folder / "step.onnx")]
+    assert cli.main(argv) == 0
+    return folder
+
+
+@needs_node
+def test_node_example_trains_a_classifier_from_csv(example):
+    out = _node(["examples/node/train.js", str(example / "step.onnx"), str(example / "data.csv"), "--epochs", "10",
+                 "-o", str(example / "trained.onnx")], {})
+    means = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("epoch")]
+    accuracy = float(out.split("accuracy ")[1].split()[0])
+    assert len(means) == 10 and means[-1] < 0.5 * means[0] and accuracy > 0.85, out
+    # NOTE: its checkpoint resumes a Python Runner on the same step; its export is the trained classifier
+    runner = onnxopt.Runner(example / "step.onnx")
+    assert runner.load_checkpoint(example / "trained.onnx.ckpt")["epochs"] == 10
+    data = np.loadtxt(example / "data.csv", delimiter=",", skiprows=1, dtype=np.float32)
+    exported = runner.export()
+    scores = ort.InferenceSession(exported.SerializeToString()).run(None, {"X": data[:, :4]})[0]
+    trained = ort.InferenceSession(str(example / "trained.onnx")).run(None, {"X": data[:, :4]})[0]
+    np.testing.assert_allclose(trained, scores, rtol=1e-5, atol=1e-6)
+    assert (scores.argmax(1) == data[:, 4]).mean() == pytest.approx(accuracy, abs=1e-3)
+
+
 @needs_node
 @pytest.mark.skipif(chromium() is None, reason="needs Debian's chromium (apt-get install -y chromium; .ci/run does it)")
-def test_headless_chromium_trains_as_python(fixtures):
+def test_headless_chromium_trains_as_python(fixtures, example):
     if not _torch():
         pytest.skip("the browser test trains the CNN torch.onnx.export writes: needs torch")
     folder, manifest = fixtures
-    out = _node(["test/browser/run.js"], {"ONNXOPT_JS_FIXTURES": str(folder), "CHROMIUM_PATH": chromium()})
+    out = _node(["test/browser/run.js"], {"ONNXOPT_JS_FIXTURES": str(folder), "CHROMIUM_PATH": chromium(),
+                                          "ONNXOPT_JS_EXAMPLE": str(example)})
     report = json.loads(out.strip().splitlines()[-1])
     assert {c["name"] for c in report["cases"]} >= {"mlp", "cnn"}, report
     for case in report["cases"]:
@@ -93,3 +127,7 @@ def test_headless_chromium_trains_as_python(fixtures):
         np.testing.assert_allclose(case["steps"], want["steps"], rtol=1e-4, err_msg=case["name"])
         if "epoch" in want:
             np.testing.assert_allclose(case["epoch"], want["epoch"], rtol=1e-4, err_msg=case["name"])
+    # NOTE: examples/browser/ trained 20 epochs of 19 batches in the page, drawing as it went
+    losses = report["example"]["losses"]
+    assert len(losses) == 20 * 19 and np.mean(losses[-19:]) < 0.5 * np.mean(losses[:19]), losses
+    assert report["example"]["trainedBytes"] > 0

@@ -139,7 +139,11 @@ def _compile(args: argparse.Namespace) -> int:
     kwargs = _training_kwargs(args)
     atomic.check_writable(_check_ext(args.out, (".onnx",), "-o"), "-o")
     kwargs["loss"], kwargs["output"] = choose_loss(_check_exists(args.model, "MODEL"), kwargs["loss"], args.output)
-    step = compile_train_step(args.model, portable=args.portable, **kwargs)
+    step = compile_train_step(args.model, portable=args.portable or args.js, **kwargs)
+    if args.js:
+        from onnxopt.ship import for_js
+
+        step = for_js(step)
     step.save(args.out)
     print(f"wrote {args.out}: {len(step.model.graph.node)} nodes ({_regions(step.model)})")
     print(f"inputs:  {', '.join(i.name for i in step.model.graph.input)}")
@@ -529,13 +533,17 @@ def _parser() -> argparse.ArgumentParser:
                                  "  onnxopt compile model.onnx --loss square --update nesterov:momentum=0.9 \\\n"
                                  "      --penalty elastic:l1=0.1,l2=0.9 --lr invscaling:eta0=0.05 -o step.onnx\n"
                                  "  onnxopt compile with_loss.onnx --loss-output loss --update adam -o step.onnx\n"
-                                 "  onnxopt compile model.onnx --loss cross_entropy --portable -o step.onnx")
+                                 "  onnxopt compile model.onnx --loss cross_entropy --portable -o step.onnx\n"
+                                 "  onnxopt compile model.onnx --loss cross_entropy --js -o step.onnx")
     comp.add_argument("model", nargs="?", metavar="MODEL.onnx", help="the inference model")
     comp.add_argument("-o", dest="out", metavar="STEP.onnx", help="where to write the fused step")
     comp.add_argument("--list", action="store_true", help="list losses, updates, penalties, schedules and exit")
     comp.add_argument("--portable", action="store_true",
                       help="standard ONNX only: the step runs on stock onnxruntime (Python 3.13+, onnxruntime-gpu) "
                            "and onnx.reference, see docs/portable.md")
+    comp.add_argument("--js", action="store_true",
+                      help="for the npm package onnxopt (Node, browsers): --portable, plus the step's epoch form in "
+                           "the file, see docs/js.md")
     _add_training_options(comp, update="adam", lr=3e-3)  # NOTE: fit's defaults, for a step fit trains elsewhere
     comp.set_defaults(func=_compile)
 

@@ -10,7 +10,8 @@ const TYPES = { ".html": "text/html", ".js": "text/javascript", ".mjs": "text/ja
 /** Serves `routes` ({"/prefix/": folder}) on 127.0.0.1; resolves to {url, close()}. */
 export function serve(routes) {
   const server = createServer((req, res) => {
-    const path = decodeURIComponent(new URL(req.url, "http://x").pathname);
+    let path = decodeURIComponent(new URL(req.url, "http://x").pathname);
+    if (path.endsWith("/")) path += "index.html";
     const prefix = Object.keys(routes).filter((p) => path.startsWith(p)).sort((a, b) => b.length - a.length)[0];
     const file = prefix === undefined ? null : join(routes[prefix], normalize(path.slice(prefix.length)).replace(/^(\.\.[/\\])+/, ""));
     let ok = false;
