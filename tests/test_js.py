@@ -22,9 +22,23 @@ from onnxopt import cli
 
 JS = Path(__file__).resolve().parent.parent / "js"
 NODE = shutil.which("node")
-needs_node = pytest.mark.skipif(
-    NODE is None or not (JS / "node_modules" / "onnxruntime-web").is_dir(),
-    reason="needs node and js/node_modules (cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci; .ci/run does it)")
+
+
+def needs(missing: str | None) -> None:
+    """Skips with ``missing`` as the reason, or fails under CI=true, where .ci/run installed node, js/node_modules
+    and chromium (a skip would hide that they did not install)."""
+    if missing is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true: {missing}", pytrace=False)
+    pytest.skip(missing)
+
+
+@pytest.fixture
+def node_ready():
+    needs("needs node on PATH (.ci/run installs it)" if NODE is None else
+          "needs js/node_modules (cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci; .ci/run does it)"
+          if not (JS / "node_modules" / "onnxruntime-web").is_dir() else None)
 
 
 def chromium() -> str | None:
@@ -53,8 +67,7 @@ def fixtures(tmp_path_factory):
     return folder, write_fixtures(folder, cnn=_torch())
 
 
-@needs_node
-def test_node_and_wasm_train_as_python(fixtures, tmp_path):
+def test_node_and_wasm_train_as_python(node_ready, fixtures, tmp_path):
     folder, manifest = fixtures
     out = _node(["--test", "test/"], {"ONNXOPT_JS_FIXTURES": str(folder), "ONNXOPT_JS_OUT": str(tmp_path)})
     assert "# fail 0" in out and "# skipped 0" in out, out[-3000:]
@@ -94,8 +107,7 @@ def example(tmp_path_factory):
     return folder
 
 
-@needs_node
-def test_node_example_trains_a_classifier_from_csv(example):
+def test_node_example_trains_a_classifier_from_csv(node_ready, example):
     out = _node(["examples/node/train.js", str(example / "step.onnx"), str(example / "data.csv"), "--epochs", "10",
                  "-o", str(example / "trained.onnx")], {})
     means = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("epoch")]
@@ -112,11 +124,9 @@ def test_node_example_trains_a_classifier_from_csv(example):
     assert (scores.argmax(1) == data[:, 4]).mean() == pytest.approx(accuracy, abs=1e-3)
 
 
-@needs_node
-@pytest.mark.skipif(chromium() is None, reason="needs Debian's chromium (apt-get install -y chromium; .ci/run does it)")
-def test_headless_chromium_trains_as_python(fixtures, example):
-    if not _torch():
-        pytest.skip("the browser test trains the CNN torch.onnx.export writes: needs torch")
+def test_headless_chromium_trains_as_python(node_ready, fixtures, example):
+    needs("needs Debian's chromium (apt-get install -y chromium; .ci/run does it)" if chromium() is None else
+          "the browser test trains the CNN torch.onnx.export writes: needs torch" if not _torch() else None)
     folder, manifest = fixtures
     out = _node(["test/browser/run.js"], {"ONNXOPT_JS_FIXTURES": str(folder), "CHROMIUM_PATH": chromium(),
                                           "ONNXOPT_JS_EXAMPLE": str(example)})
@@ -131,3 +141,8 @@ def test_headless_chromium_trains_as_python(fixtures, example):
     losses = report["example"]["losses"]
     assert len(losses) == 20 * 19 and np.mean(losses[-19:]) < 0.5 * np.mean(losses[:19]), losses
     assert report["example"]["trainedBytes"] > 0
+
+
+def test_typescript_declarations_type_a_use(node_ready):
+    """src/index.d.ts against test/types/usage.ts, strict (TypeScript from js/'s devDependencies)."""
+    _node(["node_modules/typescript/bin/tsc", "-p", "test/types"], {})
