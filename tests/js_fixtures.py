@@ -94,3 +94,48 @@ def write_fixtures(folder: Path, cnn: bool = True) -> dict:
                 "no_kernel_node": sign.name}
     (folder / "cases.json").write_text(json.dumps(manifest))
     return manifest
+
+
+def write_training_fixtures(folder: Path) -> dict:
+    """onnxruntime-training-format artifacts (``compat.onnxruntime_training.artifacts.generate_artifacts``) of
+    three cases, and what Python's ``compat.onnxruntime_training.api`` computes on them: train and eval losses per
+    batch (train, optimizer step, lazy reset, eval) and the final contiguous parameters. ``frozen``: ``bias_1``
+    not trained; ``sgd``: SGD with MSE; ``nominal``: a nominal checkpoint completed by loadParametersBuffer."""
+    from onnxopt.compat.onnxruntime_training import api, artifacts
+
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((32, 4)).astype(np.float32)
+    labels = rng.integers(0, 3, 32).astype(np.int64)
+    targets = rng.standard_normal((32, 3)).astype(np.float32)
+    cases = []
+    for name, loss, optim, frozen, nominal in (
+            ("adamw", artifacts.LossType.CrossEntropyLoss, artifacts.OptimType.AdamW, [], False),
+            ("frozen", artifacts.LossType.CrossEntropyLoss, artifacts.OptimType.AdamW, ["bias_1"], False),
+            ("sgd", artifacts.LossType.MSELoss, artifacts.OptimType.SGD, [], False),
+            ("nominal", artifacts.LossType.CrossEntropyLoss, artifacts.OptimType.AdamW, [], True)):
+        out = folder / name
+        model = examples.mlp([4, 16, 3], seed=1)
+        trained = [n for n in ("coef_0", "bias_0", "coef_1", "bias_1") if n not in frozen]
+        artifacts.generate_artifacts(model, requires_grad=trained, frozen_params=frozen, loss=loss, optimizer=optim,
+                                     artifact_directory=out, nominal_checkpoint=nominal)
+        y = labels if loss == artifacts.LossType.CrossEntropyLoss else targets
+        state = api.CheckpointState.load_checkpoint(out / "checkpoint")
+        module = api.Module(out / "training_model.onnx", state, out / "eval_model.onnx")
+        initial = onnxopt.train_initializers(model)
+        flat = np.concatenate([initial[n].ravel() for n in ("coef_0", "bias_0", "coef_1", "bias_1")])
+        if nominal:
+            module.copy_buffer_to_parameters(flat, trainable_only=False)
+        optimizer = api.Optimizer(out / "optimizer_model.onnx", module)
+        train, evals = [], []
+        for i in range(0, len(X), BATCH):
+            module.train()
+            train.append(float(module(X[i:i + BATCH], y[i:i + BATCH])))
+            optimizer.step()
+            module.lazy_reset_grad()
+            module.eval()
+            evals.append(float(module(X[i:i + BATCH], y[i:i + BATCH])))
+        cases.append({"name": name, "X": _write(out, "X", X), "y": _write(out, "y", y), "batch": BATCH, "train": train,
+                      "eval": evals, "params": module.get_contiguous_parameters(trainable_only=False).numpy().tolist(),
+                      "initial": flat.tolist(), "nominal": nominal, "frozen": frozen})
+    (folder / "training.json").write_text(json.dumps({"cases": cases}))
+    return {"cases": cases}

@@ -146,3 +146,13 @@ def test_headless_chromium_trains_as_python(node_ready, fixtures, example):
 def test_typescript_declarations_type_a_use(node_ready):
     """src/index.d.ts against test/types/usage.ts, strict (TypeScript from js/'s devDependencies)."""
     _node(["node_modules/typescript/bin/tsc", "-p", "test/types"], {})
+
+
+def test_training_session_trains_generate_artifacts(node_ready, tmp_path):
+    """js/test/training.test.js: TrainingSession on the artifacts of compat.onnxruntime_training, against its api."""
+    pytest.importorskip("onnxopt.compat.onnxruntime_training.api", reason="needs onnxopt.compat.onnxruntime_training")
+    from js_fixtures import write_training_fixtures
+
+    write_training_fixtures(tmp_path)
+    out = _node(["--test", "test/training.test.js"], {"ONNXOPT_JS_TRAINING": str(tmp_path)})
+    assert "# fail 0" in out and "# skipped 0" in out and "# pass 8" in out, out[-3000:]

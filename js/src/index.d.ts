@@ -52,3 +52,37 @@ export interface CheckpointArray { type: Tensor.Type; dims: readonly number[]; d
 
 export function writeCheckpoint(tensors: Record<string, CheckpointArray | Tensor>, meta?: Record<string, unknown>): Promise<Uint8Array>;
 export function readCheckpoint(bytes: Uint8Array): Promise<{ arrays: Record<string, CheckpointArray>; meta: Record<string, unknown> }>;
+
+/** Files of generate_artifacts (onnxopt.compat.onnxruntime_training.artifacts): bytes, paths or URLs. */
+export interface TrainingSessionCreateOptions {
+  checkpointState: StepSource;
+  trainModel: StepSource;
+  evalModel?: StepSource;
+  optimizerModel?: StepSource;
+}
+
+/** The shape of onnxruntime-web's training API (1.17-1.19) on an inference binding. */
+export class TrainingSession {
+  static create(ort: OrtBinding, options: TrainingSessionCreateOptions, sessionOptions?: InferenceSession.SessionOptions): Promise<TrainingSession>;
+  readonly trainingInputNames: readonly string[];
+  readonly trainingOutputNames: readonly string[];
+  readonly evalInputNames: readonly string[];
+  readonly evalOutputNames: readonly string[];
+  runTrainStep(feeds: Record<string, Tensor>, fetches?: readonly string[], options?: InferenceSession.RunOptions): Promise<Record<string, Tensor>>;
+  runOptimizerStep(): Promise<void>;
+  lazyResetGrad(): Promise<void>;
+  runEvalStep(feeds: Record<string, Tensor>, fetches?: readonly string[], options?: InferenceSession.RunOptions): Promise<Record<string, Tensor>>;
+  getParametersSize(trainableOnly?: boolean): Promise<number>;
+  getContiguousParameters(trainableOnly?: boolean): Promise<Tensor>;
+  loadParametersBuffer(buffer: Uint8Array, trainableOnly?: boolean): Promise<void>;
+  setLearningRate(learningRate: number): void;
+  getLearningRate(): number;
+  release(): Promise<void>;
+}
+
+/** onnxruntime's training checkpoint (flatbuffers, "ODTC"). */
+export function readOrtCheckpoint(bytes: Uint8Array): {
+  params: Record<string, CheckpointArray & { name: string; requiresGrad: boolean }>;
+  nominal: boolean;
+  group: { step: number; lr: number; states: Record<string, Record<string, Float32Array>> } | null;
+};
