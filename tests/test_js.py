@@ -4,6 +4,7 @@ Runner's losses; what JS writes back (checkpoints, exported models) is read here
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -141,6 +142,48 @@ def test_headless_chromium_trains_as_python(node_ready, fixtures, example):
     losses = report["example"]["losses"]
     assert len(losses) == 20 * 19 and np.mean(losses[-19:]) < 0.5 * np.mean(losses[:19]), losses
     assert report["example"]["trainedBytes"] > 0
+
+
+def test_for_js_epoch_model_gives_the_runners_losses(tmp_path):
+    """ship.for_js: the epoch model it stores runs in onnxruntime (Python) with the Runner's epoch losses, carried
+    tensors fed as inputs; the file still loads in the Runner."""
+    import base64
+
+    from onnxopt.errors import ModelError
+    from onnxopt.examples import mlp
+    from onnxopt.ship import EPOCH_KEY, for_js
+
+    step = onnxopt.compile_train_step(mlp([4, 8, 2]), loss="square", update="nesterov", portable=True)
+    for_js(step).save(tmp_path / "step.onnx")
+    entry = json.loads({p.key: p.value for p in onnx.load(tmp_path / "step.onnx").metadata_props}[EPOCH_KEY])
+    epoch = ort.InferenceSession(base64.b64decode(entry["model"]))
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((32, 4)).astype(np.float32), rng.standard_normal((32, 2)).astype(np.float32)
+    weights = step.initial_weights()
+    feeds = {"epoch.X": X[:24].reshape(3, 8, 4), "epoch.X.last": X[24:], "epoch.target": y[:24].reshape(3, 8, 2),
+             "epoch.target.last": y[24:], "sample_weight": np.ones(8, np.float32), "epoch.count": np.array(3)}
+    for name in entry["carried"]:
+        feeds["epoch." + name] = weights[name] if name in weights else (
+            np.zeros((), np.int64) if name == "optim.step" else np.zeros_like(weights[name.rsplit(".", 1)[0]]))
+    names = {i.name for i in epoch.get_inputs()}
+    losses = epoch.run(["epoch.losses"], {k: v for k, v in feeds.items() if k in names})[0]
+    expected = onnxopt.Runner(tmp_path / "step.onnx", batch_size=8).epoch(X, y)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    with pytest.raises(ModelError, match="JavaScript runner feeds one data input"):
+        for_js(dataclasses.replace(step, inputs=["X", "Z"]))
+
+
+def test_for_js_leaves_out_the_epoch_form_of_a_random_step(tmp_path):
+    """A step with Dropout has no epoch form (a Scan's kernel draws other masks): ``epoch()`` runs steps."""
+    torch = pytest.importorskip("torch")
+    from onnxopt.ship import EPOCH_KEY, for_js
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    torch.onnx.export(net.train(), (torch.zeros(2, 4),), str(tmp_path / "m.onnx"), dynamo=False, input_names=["x"],
+                      dynamic_axes={"x": {0: "N"}}, training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+    step = onnxopt.compile_train_step(str(tmp_path / "m.onnx"), portable=True)
+    assert any(n.op_type == "Dropout" for n in step.model.graph.node)
+    assert EPOCH_KEY not in {p.key for p in for_js(step).model.metadata_props}
 
 
 def test_typescript_declarations_type_a_use(node_ready):
