@@ -135,6 +135,31 @@ for (const name of Object.keys(BINDINGS)) {
       assert.equal(runner.stepCount, 5);
     });
 
+    test("a NaN loss throws and keeps the weights before the step", async () => {
+      const ort = await binding(name);
+      const runner = await StepRunner.create(ort, join(FIXTURES, mlp.step));
+      const X = tensor(ort, mlp.X), y = tensor(ort, mlp.y);
+      await runner.step(rows(ort, X, 0, 8), rows(ort, y, 0, 8));
+      const bias = runner.getWeights().bias_1;
+      runner.setWeights({ bias_1: new Float32Array(bias.data.length).fill(NaN) });
+      const before = runner.getWeights();
+      await assert.rejects(runner.step(rows(ort, X, 8, 16), rows(ort, y, 8, 16)), /loss became NaN at step 2; the weights were kept/);
+      assert.equal(runner.stepCount, 1);
+      assert.equal(runner.getWeights().coef_0, before.coef_0);
+      await assert.rejects(runner.epoch(X, y, { batchSize: 8 }), /batch 1: loss became NaN/);
+    });
+
+    const cnn = manifest.cases.find((c) => c.name === "cnn");
+    test("class indices given as int32 train as int64", { skip: cnn ? false : "no CNN case (torch missing)" }, async () => {
+      const ort = await binding(name);
+      const runner = await StepRunner.create(ort, join(FIXTURES, cnn.step));
+      const y = tensor(ort, cnn.y), y32 = new ort.Tensor("int32", Int32Array.from(y.data, Number), y.dims);
+      const loss = await runner.step(rows(ort, tensor(ort, cnn.X), 0, 8), rows(ort, y32, 0, 8));
+      close([loss], cnn.steps.slice(0, 1), "int32 targets");
+      await assert.rejects(runner.step(rows(ort, tensor(ort, cnn.X), 0, 8), new ort.Tensor("float32", new Float32Array(8), [8])),
+        /y: input "target" expected int64/);
+    });
+
     test("errors name the input, the expected and the actual value", async () => {
       const ort = await binding(name);
       const runner = await StepRunner.create(ort, join(FIXTURES, mlp.step));
