@@ -142,10 +142,14 @@ def _compile(args: argparse.Namespace) -> int:
     atomic.check_writable(_check_ext(args.out, (".onnx",), "-o"), "-o")
     kwargs["loss"], kwargs["output"] = choose_loss(_check_exists(args.model, "MODEL"), kwargs["loss"], args.output)
     if args.explain:
-        step, report = explain_train_step(args.model, portable=args.portable, **kwargs)
+        step, report = explain_train_step(args.model, portable=args.portable or args.js, **kwargs)
         print(format_report(report))
     else:
-        step = compile_train_step(args.model, portable=args.portable, **kwargs)
+        step = compile_train_step(args.model, portable=args.portable or args.js, **kwargs)
+    if args.js:
+        from onnxopt.ship import for_js
+
+        step = for_js(step)
     step.save(args.out)
     print(f"wrote {args.out}: {len(step.model.graph.node)} nodes ({_regions(step.model)})")
     print(f"inputs:  {', '.join(i.name for i in step.model.graph.input)}")
@@ -536,6 +540,7 @@ def _parser() -> argparse.ArgumentParser:
                                  "      --penalty elastic:l1=0.1,l2=0.9 --lr invscaling:eta0=0.05 -o step.onnx\n"
                                  "  onnxopt compile with_loss.onnx --loss-output loss --update adam -o step.onnx\n"
                                  "  onnxopt compile model.onnx --loss cross_entropy --portable -o step.onnx\n"
+                                 "  onnxopt compile model.onnx --loss cross_entropy --js -o step.onnx\n"
                                  "  onnxopt compile model.onnx --explain -o step.onnx")
     comp.add_argument("model", nargs="?", metavar="MODEL.onnx", help="the inference model")
     comp.add_argument("-o", dest="out", metavar="STEP.onnx", help="where to write the fused step")
@@ -545,6 +550,9 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--portable", action="store_true",
                       help="standard ONNX only: the step runs on stock onnxruntime (Python 3.13+, onnxruntime-gpu) "
                            "and onnx.reference, see docs/portable.md")
+    comp.add_argument("--js", action="store_true",
+                      help="for the npm package onnxopt (Node, browsers): --portable, plus the step's epoch form in "
+                           "the file, see docs/js.md")
     _add_training_options(comp, update="adam", lr=3e-3)  # NOTE: fit's defaults, for a step fit trains elsewhere
     comp.set_defaults(func=_compile)
 

@@ -1,0 +1,83 @@
+"""Per-step time of onnxopt's npm package in Node (onnxruntime-node) against the Python Runner on W1 and W3.
+
+Both train the same step file (``onnxopt.compile_train_step(..., portable=True)`` then ``ship.for_js``) on the
+workload's data: ``step()`` over the batches of an epoch, and ``epoch()`` (the Scan form where the Runner uses it).
+Turns alternate (Python block, pause, Node block, pause); the table gives the median over turns of ms per step
+and the ratio Node / Python. Needs node and js/node_modules (cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci).
+
+    python benchmarks/js/node_vs_python.py [--turns 5] [--workloads W1-sgd W1-adam W3]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import onnxopt
+from onnxopt.bench.workloads import select
+from onnxopt.ship import for_js
+
+JS = Path(__file__).resolve().parents[2] / "js"
+
+
+def python_block(path, X, y, batch, epochs):
+    runner = onnxopt.Runner(path, batch_size=batch)
+    batches = [(X[i:i + batch], y[i:i + batch]) for i in range(0, len(X), batch)]
+    for xb, yb in batches:
+        runner.step(xb, yb)
+    runner.epoch(X, y)
+    time.sleep(0.2)
+    t = time.perf_counter()
+    for _ in range(epochs):
+        for xb, yb in batches:
+            runner.step(xb, yb)
+    step_ms = (time.perf_counter() - t) * 1e3 / (epochs * len(batches))
+    time.sleep(0.2)
+    t = time.perf_counter()
+    for _ in range(epochs):
+        runner.epoch(X, y)
+    return step_ms, (time.perf_counter() - t) * 1e3 / (epochs * len(batches))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--workloads", nargs="+", default=["W1-sgd", "W1-adam", "W3"])
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in select(args.workloads):
+            X, y = w.data()
+            step = onnxopt.compile_train_step(w.model(), loss=w.loss, update=w.update, learning_rate=w.lr,
+                                              portable=True)
+            path = Path(tmp) / f"{w.name}.onnx"
+            for_js(step).save(path)
+            X.tofile(Path(tmp) / "X.bin")
+            y.tofile(Path(tmp) / "y.bin")
+            epochs = max(1, w.epochs // 2)
+            py, node = [], []
+            for _ in range(args.turns):
+                py.append(python_block(path, X, y, w.batch, epochs))
+                time.sleep(0.5)
+                out = subprocess.run(["node", "../benchmarks/js/node_steps.mjs", str(path), str(Path(tmp) / "X.bin"),
+                                      str(Path(tmp) / "y.bin"), ",".join(map(str, X.shape)), y.dtype.name,
+                                      str(w.batch), str(epochs)], cwd=JS, capture_output=True, text=True, check=True)
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                node.append((r["step_ms"], r["epoch_ms"]))
+                time.sleep(0.5)
+            med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
+            rows.append((w.name, w.batch, med(py, 0), med(node, 0), med(py, 1), med(node, 1)))
+    print("| workload | batch | Python step() ms | Node step() ms | ratio | Python epoch() ms/step | "
+          "Node epoch() ms/step | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, batch, ps, ns, pe, ne in rows:
+        print(f"| {name} | {batch} | {ps:.4f} | {ns:.4f} | {ns / ps:.2f} | {pe:.4f} | {ne:.4f} | {ne / pe:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

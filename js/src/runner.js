@@ -1,0 +1,446 @@
+// StepRunner: trains a step saved by onnxopt's TrainStep.save with the onnxruntime binding the caller loaded.
+//
+// The step's protocol (metadata "onnxopt.protocol", or the older "onnxopt.train_step" fields) names each input's
+// role and which output replaces which input at the next step. onnxruntime's JS bindings take no feed for an
+// initializer, so the model given to the session has the carried tensors (weights, optimizer state, running
+// statistics, the step counter) as plain graph inputs; their initial values come from the file's initializers.
+// Between steps the output tensors of one run are the inputs of the next: nothing is copied through JS arrays.
+
+import { readCheckpoint, writeCheckpoint } from "./checkpoint.js";
+import * as pb from "./proto.js";
+import { base64, describe, readBeside, readSource } from "./source.js";
+
+const TRAIN_STEP = "onnxopt.train_step", PROTOCOL = "onnxopt.protocol", EPOCH = "onnxopt.epoch";
+const CARRIED = new Set(["weight", "state", "step", "buffer"]);
+const NEW = ".new", STEP = "optim.step";
+const SMALL_STEP = 1_000_000;  // NOTE: parameters × batch below which one thread is faster (as Python's Runner)
+
+/** The protocol of a step saved before "onnxopt.protocol" existed, from its TrainStep fields. */
+function protocolFromFields(f, graphInputs) {
+  const roles = new Map(f.inputs.map((n) => [n, "data"]));
+  for (const [name, role] of [[f.target, "target"], [f.sample_weight, "sample_weight"], [f.output_grad, "output_grad"]]) {
+    if (name) roles.set(name, role);
+  }
+  for (const n of f.weights) roles.set(n, "weight");
+  for (const n of f.state) roles.set(n, n === STEP ? "step" : "state");
+  for (const n of f.buffers ?? []) roles.set(n, "buffer");
+  const inputs = [...graphInputs.filter((n) => roles.has(n)), ...[...roles.keys()].filter((n) => !graphInputs.includes(n))]
+    .map((name) => ({ name, role: roles.get(name) }));
+  const outputs = [{ name: f.loss, role: "loss" }, ...inputs.filter((i) => CARRIED.has(i.role))
+    .map((i) => ({ name: i.name + NEW, role: i.role, feeds: i.name }))];
+  return { version: 1, inputs, outputs, target_kind: f.target_kind ?? "float", classes: f.classes ?? null };
+}
+
+const shapeText = (dims) => `[${dims.map((d) => (d === null ? "?" : d)).join(", ")}]`;
+const sizeOf = (dims) => dims.reduce((a, b) => a * b, 1);
+
+/** Parses a saved step: its fields, protocol, the session model (carried tensors as inputs) and initial values. */
+async function parseStep(bytes, base, options) {
+  let top, props;
+  try {
+    top = pb.fields(bytes);
+    props = pb.metadata(bytes);
+  } catch (err) {
+    throw new Error(`step: expected an ONNX model saved by onnxopt's TrainStep.save, got bytes that are not a ` +
+      `protobuf message (${err.message})`);
+  }
+  if (!top.some((f) => f.field === 7 && f.wire === 2)) {
+    throw new Error(`step: expected an ONNX model saved by onnxopt's TrainStep.save, got ${bytes.length} bytes ` +
+      "without an ONNX graph");
+  }
+  if (!(TRAIN_STEP in props)) {
+    throw new Error(`step: an ONNX model but not a train step saved by onnxopt (metadata "${TRAIN_STEP}" missing, ` +
+      `found ${JSON.stringify(Object.keys(props))}); compile it first: onnxopt compile MODEL.onnx -o step.onnx`);
+  }
+  const fields = JSON.parse(props[TRAIN_STEP]);
+  const graphBytes = pb.first(top, 7);
+  const graphFields = pb.fields(graphBytes);
+  const inputs = graphFields.filter((f) => f.field === 11).map((f) => pb.valueInfo(f.value));
+  const protocol = PROTOCOL in props ? JSON.parse(props[PROTOCOL]) : protocolFromFields(fields, inputs.map((i) => i.name));
+  if (protocol.version !== 1) {
+    throw new Error(`step: metadata "${PROTOCOL}" has protocol version ${JSON.stringify(protocol.version)}, expected 1 ` +
+      "(a newer onnxopt saved this step; update the onnxopt npm package)");
+  }
+  const carried = protocol.inputs.filter((i) => CARRIED.has(i.role)).map((i) => i.name);
+  const carriedSet = new Set(carried), initial = {}, extern = options.externalData ?? {};
+  const external = async (t) => {
+    const file = extern[t.external.location] ?? await readBeside(base, t.external.location, "step");
+    const src = file instanceof Uint8Array ? file : (await readSource(file, "options.externalData")).bytes;
+    const [, Typed] = pb.DTYPES[t.elemType];
+    const data = new Typed(t.external.length / Typed.BYTES_PER_ELEMENT);
+    new Uint8Array(data.buffer).set(src.subarray(t.external.offset, t.external.offset + t.external.length));
+    return data;
+  };
+  const parts = [];
+  for (const f of graphFields) {
+    if (f.field !== 5) { parts.push(pb.raw(graphBytes, f)); continue; }
+    const name = pb.text(pb.first(pb.fields(f.value), 8) ?? new Uint8Array());
+    if (!carriedSet.has(name) && pb.first(pb.fields(f.value), 14) !== 1) { parts.push(pb.raw(graphBytes, f)); continue; }
+    const t = pb.tensor(f.value);
+    if (t.external) t.data = await external(t);
+    if (carriedSet.has(name)) initial[name] = t;  // NOTE: dropped from the graph: fed as an input instead
+    else parts.push(pb.lenField(5, pb.encodeTensor(t.name, t.elemType, t.dims, t.data)));  // NOTE: inlined
+  }
+  const declared = new Map(inputs.map((i) => [i.name, i]));
+  for (const name of carried) {  // NOTE: an initializer that is not also a graph input becomes one
+    if (!declared.has(name) && initial[name]) {
+      const t = initial[name];
+      parts.push(pb.lenField(11, pb.encodeValueInfo(name, t.elemType, t.dims)));
+      declared.set(name, { name, elemType: t.elemType, dims: t.dims });
+    }
+  }
+  const graph = pb.concat(parts);
+  const model = pb.rewriteModel(bytes, () => graph, (f) => f.field !== 14);  // NOTE: metadata stays out of ORT
+  const epoch = EPOCH in props ? JSON.parse(props[EPOCH]) : null;
+  return { fields, protocol, carried, initial, declared, model, epoch, metadata: props };
+}
+
+export class StepRunner {
+  /**
+   * Loads a step written by onnxopt's `TrainStep.save` (or `onnxopt compile`) into a session of `ort`.
+   * @param {object} ort the onnxruntime binding: `import * as ort from "onnxruntime-node"` or "onnxruntime-web"
+   * @param {Uint8Array|ArrayBuffer|string|URL} step the saved step's bytes, path (Node) or URL
+   * @param {object} [options] {sessionOptions, externalData: {location: bytes|path|URL}, batchSize}
+   */
+  static async create(ort, step, options = {}) {
+    if (!ort || typeof ort.InferenceSession?.create !== "function" || typeof ort.Tensor !== "function") {
+      throw new Error(`ort: expected an onnxruntime binding (import * as ort from "onnxruntime-node" or ` +
+        `"onnxruntime-web"), got ${describe(ort)}`);
+    }
+    const { bytes, base } = await readSource(step, "step");
+    const parsed = await parseStep(bytes, base, options);
+    const runner = new StepRunner(ort, parsed, options);
+    runner._session = await runner._open(parsed.model, "step");
+    return runner;
+  }
+
+  /** @private */
+  constructor(ort, parsed, options) {
+    Object.assign(this, { ort, _p: parsed, _options: options, _epochSession: null });
+    const { protocol, fields } = parsed;
+    const role = (r) => protocol.inputs.filter((i) => i.role === r).map((i) => i.name);
+    if (role("output_grad").length) {
+      throw new Error(`step: compiled with external_grad=True (input ${JSON.stringify(role("output_grad")[0])}); ` +
+        "the JS runner trains steps that compute their own loss");
+    }
+    const data = role("data");
+    if (data.length !== 1) {
+      throw new Error(`step: reads ${data.length} data inputs ${JSON.stringify(data)}; the runner feeds one (X)`);
+    }
+    this.weightNames = role("weight");
+    this.stateNames = [...role("buffer"), ...role("state"), ...role("step")];
+    this._names = { x: data[0], y: role("target")[0] ?? null, w: role("sample_weight")[0] ?? null };
+    this._loss = protocol.outputs.find((o) => o.role === "loss").name;
+    this._carriedOut = protocol.outputs.filter((o) => o.feeds);
+    this.targetKind = protocol.target_kind;
+    this.batchSize = options.batchSize ?? 32;
+    this._fields = fields;
+    this._ones = new Map();
+    this._current = {};
+    for (const name of parsed.carried) this._current[name] = this._initialTensor(name);
+    this.dtype = this._current[this.weightNames[0]]?.type ?? "float32";
+  }
+
+  /** @private */
+  _initialTensor(name) {
+    const { initial, declared } = this._p;
+    const t = initial[name];
+    if (t) return new this.ort.Tensor(pb.DTYPES[t.elemType][0], t.data, t.dims);
+    // NOTE: optimizer state and the step counter start at zero, shaped as declared or as their weight (W.<state>)
+    const info = declared.get(name);
+    let dims = info?.dims;
+    if (!dims || dims.some((d) => typeof d !== "number")) {
+      const owner = initial[name.slice(0, name.lastIndexOf("."))];
+      if (!owner) throw new Error(`step: input ${JSON.stringify(name)} has no initial value and no static shape`);
+      dims = owner.dims;
+    }
+    const elemType = info?.elemType || (name === STEP ? 7 : 1);
+    const [type, Typed] = pb.DTYPES[elemType];
+    return new this.ort.Tensor(type, new Typed(sizeOf(dims)), dims);
+  }
+
+  /** @private */
+  async _open(model, what) {
+    const params = Object.values(this._p.initial).reduce((n, t) => n + t.data.length, 0);
+    const defaults = { graphOptimizationLevel: "all", executionMode: "sequential", logSeverityLevel: 3 };
+    if (params * this.batchSize < SMALL_STEP) defaults.intraOpNumThreads = 1;
+    try {
+      return await this.ort.InferenceSession.create(model, { ...defaults, ...this._options.sessionOptions });
+    } catch (err) {
+      const msg = String(err?.message ?? err);
+      const missing = /implementation for (\w+)\((\d+)\) node with name '([^']*)'/.exec(msg) ??
+        /(?:[\w.]+:)?(\w+)\(-?\d+\) is not a registered function\/op/.exec(msg) ??
+        /(?:unsupported|not supported|No Op registered for) (\w+)/i.exec(msg);
+      if (missing) {
+        throw new Error(`${what}: this onnxruntime binding has no kernel for the op ${missing[1]}` +
+          (missing[3] !== undefined ? ` (opset ${missing[2]}, node ${JSON.stringify(missing[3])})` : "") +
+          `, which the step uses; expected a binding that runs every op of the step (onnxruntime-node or ` +
+          `onnxruntime-web's wasm backend run standard ONNX; compile with portable=True), got: ${msg}`);
+      }
+      throw new Error(`${what}: onnxruntime could not load the step: ${msg}`);
+    }
+  }
+
+  /** Steps completed so far (the step counter the step carries). */
+  get stepCount() {
+    const t = this._current[STEP];
+    return t ? Number(t.data[0]) : 0;
+  }
+
+  /** @private checks one batch tensor against the step's input `name`. */
+  _check(value, name, label, rows) {
+    if (!(value instanceof this.ort.Tensor)) {
+      throw new Error(`${label}: expected an ort.Tensor for input ${JSON.stringify(name)}, got ${describe(value)}`);
+    }
+    const info = this._p.declared.get(name);
+    const type = info && pb.DTYPES[info.elemType]?.[0];
+    const dims = info?.dims;
+    const expected = `${type ?? "any type"}${dims ? shapeText(dims) : ""}`;
+    const got = `${value.type}${shapeText(value.dims)}`;
+    if (type && value.type !== type) throw new Error(`${label}: input ${JSON.stringify(name)} expected ${expected}, got ${got}`);
+    if (rows !== undefined && value.dims[0] !== rows) {
+      throw new Error(`${label}: input ${JSON.stringify(name)} expected ${rows} rows (one per sample of X), got ${got}`);
+    }
+    if (dims && (dims.length !== value.dims.length || dims.some((d, i) => typeof d === "number" && d !== value.dims[i]))) {
+      throw new Error(`${label}: input ${JSON.stringify(name)} expected ${expected}, got ${got}`);
+    }
+  }
+
+  /** @private the feeds of one batch, checked. */
+  _batch(X, y, sampleWeight) {
+    const { x, y: yName, w } = this._names;
+    this._check(X, x, "X");
+    const n = X.dims[0];
+    if (!n) throw new Error(`X: expected at least one sample, got ${X.type}${shapeText(X.dims)}`);
+    const feeds = { [x]: X };
+    if (yName) {
+      if (y === undefined || y === null) throw new Error(`y: the step's loss needs targets for ${JSON.stringify(yName)}, got ${y}`);
+      if (this.targetKind === "index" && y instanceof this.ort.Tensor && y.type === "int32") {
+        y = new this.ort.Tensor("int64", BigInt64Array.from(y.data, BigInt), y.dims);  // NOTE: class indices
+      }
+      this._check(y, yName, "y", n);
+      feeds[yName] = y;
+    }
+    if (w) {
+      if (sampleWeight === undefined || sampleWeight === null) sampleWeight = this._onesOf(n);
+      this._check(sampleWeight, w, "sampleWeight", n);
+      if (sampleWeight.dims.length !== 1) {
+        throw new Error(`sampleWeight: expected shape [${n}] (one weight per sample), got ${shapeText(sampleWeight.dims)}`);
+      }
+      feeds[w] = sampleWeight;
+    } else if (sampleWeight !== undefined && sampleWeight !== null) {
+      throw new Error("sampleWeight: the step's loss takes no sample weights, got a tensor");
+    }
+    return feeds;
+  }
+
+  /** @private */
+  _onesOf(n) {
+    if (!this._ones.has(n)) {
+      const type = pb.DTYPES[this._p.declared.get(this._names.w)?.elemType ?? 1][0];
+      const Typed = type === "float64" ? Float64Array : Float32Array;
+      this._ones.set(n, new this.ort.Tensor(type, new Typed(n).fill(1), [n]));
+    }
+    return this._ones.get(n);
+  }
+
+  /** @private runs `session`, turning onnxruntime's refusal into an error naming the batch. */
+  async _run(session, feeds, fetches, batch) {
+    try {
+      return await session.run(feeds, fetches);
+    } catch (err) {
+      const given = Object.entries(batch).map(([n, t]) => `${n}${shapeText(t.dims)} ${t.type}`).join(", ");
+      const expected = Object.keys(batch).map((n) => {
+        const i = this._p.declared.get(n);
+        return `${n}${i?.dims ? shapeText(i.dims) : ""} ${i ? pb.DTYPES[i.elemType]?.[0] : "?"}`;
+      }).join(", ");
+      throw new Error(`batch: onnxruntime refused it (${String(err?.message ?? err).split("\n")[0]}); expected ` +
+        `${expected}, got ${given}`);
+    }
+  }
+
+  /**
+   * One training step on a batch: forward, loss, backward and update in one session run.
+   * @param {object} X ort.Tensor, rows first
+   * @param {object} [y] ort.Tensor of targets (int64 or int32 class indices for a classification loss)
+   * @param {object} [sampleWeight] ort.Tensor [rows]
+   * @returns {Promise<number>} the loss; a NaN or infinite loss throws and keeps the weights before the step
+   */
+  async step(X, y, sampleWeight) {
+    const batch = this._batch(X, y, sampleWeight);
+    const fetches = [this._loss, ...this._carriedOut.map((o) => o.name)];
+    const out = await this._run(this._session, { ...this._current, ...batch }, fetches, batch);
+    const lossTensor = out[this._loss];
+    const loss = Number((lossTensor.location && lossTensor.location !== "cpu" ? await lossTensor.getData() : lossTensor.data)[0]);
+    if (!Number.isFinite(loss)) {
+      throw new Error(`loss became ${loss} at step ${this.stepCount + 1}; the weights were kept as they were ` +
+        "before it (see getWeights()): lower the learning rate or check the data for extreme values");
+    }
+    const next = {};
+    for (const o of this._carriedOut) next[o.feeds] = out[o.name];
+    this._replace(next);
+    return loss;
+  }
+
+  /** @private makes `next` current; tensors held on a device (not by JS) are released. */
+  _replace(next) {
+    for (const [name, t] of Object.entries(this._current)) {
+      if (t.location && t.location !== "cpu" && next[name] !== t) t.dispose();
+    }
+    this._current = { ...this._current, ...next };
+  }
+
+  /** @private a view of rows [a, b) of `t`, no copy. */
+  _rows(t, a, b, lead = [b - a]) {
+    const row = t.dims.slice(1).reduce((p, q) => p * q, 1);
+    return new this.ort.Tensor(t.type, t.data.subarray(a * row, b * row), [...lead, ...t.dims.slice(1)]);
+  }
+
+  /**
+   * `step` over the batches of `X` in order, `batchSize` rows each (the last may be shorter); returns their
+   * losses. A step saved with its epoch form (onnxopt.ship.with_epoch, `onnxopt compile --epoch`) runs the full
+   * batches in one session run (an ONNX Scan), giving the losses of one step per batch.
+   * @returns {Promise<Float64Array>}
+   */
+  async epoch(X, y, { batchSize = this.batchSize, sampleWeight } = {}) {
+    const all = this._batch(X, y, sampleWeight);  // NOTE: the whole epoch is checked before any step runs
+    const n = X.dims[0];
+    if (!Number.isInteger(batchSize) || batchSize < 1) throw new Error(`batchSize: expected a positive integer, got ${batchSize}`);
+    const full = Math.floor(n / batchSize);
+    let losses = [];
+    if (this._p.epoch && full > 1 && !sampleWeight) losses = await this._scan(X, all[this._names.y], full, batchSize);
+    for (let start = losses.length * batchSize; start < n; start += batchSize) {
+      const end = Math.min(n, start + batchSize), part = (t) => (t ? this._rows(t, start, end) : t);
+      try {
+        losses.push(await this.step(part(X), part(all[this._names.y]), part(sampleWeight)));
+      } catch (err) {
+        throw new Error(`batch ${losses.length + 1}: ${err.message}`);
+      }
+    }
+    return Float64Array.from(losses);
+  }
+
+  /** @private full batches as one Scan run (passes/epoch.py); [] on a non-finite value (epoch replays them). */
+  async _scan(X, y, steps, batch) {
+    const { model, carried } = this._p.epoch;
+    if (!this._epochSession) {
+      this._epochSession = await this._open(base64(model), "epoch");
+      this._epochInputs = new Set(this._epochSession.inputNames);
+    }
+    const P = "epoch.", cut = (steps - 1) * batch, feeds = {};
+    for (const [name, t] of [[this._names.x, X], [this._names.y, y]]) {
+      feeds[P + name] = this._rows(t, 0, cut, [steps - 1, batch]);
+      feeds[P + name + ".last"] = this._rows(t, cut, cut + batch);
+    }
+    for (const name of carried) feeds[P + name] = this._current[name];
+    if (this._names.w) feeds[this._names.w] = this._onesOf(batch);
+    if (this._epochInputs.has(P + "count")) feeds[P + "count"] = new this.ort.Tensor("int64", BigInt64Array.of(BigInt(steps - 1)), []);
+    const fetches = [P + "losses", P + "check", ...carried.map((c) => P + c + NEW)];
+    const out = await this._run(this._epochSession, feeds, fetches, { [this._names.x]: X });
+    if (!Number.isFinite(Number(out[P + "check"].data[0]))) return [];
+    this._replace(Object.fromEntries(carried.map((c) => [c, out[P + c + NEW]])));
+    return Array.from(out[P + "losses"].data, Number);
+  }
+
+  /** The current weights, {name: ort.Tensor}; the runner never writes into them (a step makes new ones). */
+  getWeights() {
+    return Object.fromEntries(this.weightNames.map((n) => [n, this._current[n]]));
+  }
+
+  /** Optimizer state, running statistics and the step counter ("optim.step"), {name: ort.Tensor}. */
+  getState() {
+    return Object.fromEntries(this.stateNames.map((n) => [n, this._current[n]]));
+  }
+
+  /** Replaces some or all weights: {name: ort.Tensor | TypedArray} of the weight's shape and type. */
+  setWeights(values) { this._set(values, this.weightNames, "weights"); }
+
+  /** Replaces some or all of the state (getState's names). */
+  setState(values) { this._set(values, this.stateNames, "state"); }
+
+  /** @private */
+  _set(values, names, what) {
+    const next = {};
+    for (const [name, value] of Object.entries(values)) {
+      const ref = this._current[name];
+      if (!names.includes(name)) throw new Error(`${what}: ${JSON.stringify(name)} is not one of ${JSON.stringify(names)}`);
+      const isTensor = value instanceof this.ort.Tensor, data = isTensor ? value.data : value;
+      const got = isTensor ? `${value.type}${shapeText(value.dims)}` : `a ${value?.constructor?.name} of ${data?.length} values`;
+      const ok = data?.constructor === ref.data.constructor && data.length === ref.data.length &&
+        (!isTensor || shapeText(value.dims) === shapeText(ref.dims));
+      if (!ok) throw new Error(`${what}: ${JSON.stringify(name)} expected ${ref.type}${shapeText(ref.dims)}, got ${got}`);
+      next[name] = new this.ort.Tensor(ref.type, data.slice(), ref.dims);  // NOTE: a copy: the caller keeps its array
+    }
+    this._replace(next);
+  }
+
+  /**
+   * Weights, state and step count in onnxopt's checkpoint format (Python: `Runner.load_checkpoint(path)`).
+   * @param {object} [meta] JSON values stored with them
+   * @returns {Promise<Uint8Array>}
+   */
+  async saveCheckpoint(meta = {}) {
+    return writeCheckpoint({ ...this.getWeights(), ...this.getState() },
+      { kind: "onnxopt.Runner", step: this.stepCount, ...meta });
+  }
+
+  /**
+   * Restores a checkpoint written by `saveCheckpoint` or Python's `Runner.save_checkpoint` (bytes, path or URL);
+   * it is verified whole (checksum, names, shapes, types) before anything changes. Returns its metadata.
+   */
+  async loadCheckpoint(source, { kind } = {}) {
+    const { bytes } = await readSource(source, "checkpoint");
+    const { arrays, meta } = await readCheckpoint(bytes);
+    const expected = [...this.weightNames, ...this.stateNames];
+    const missing = expected.filter((n) => !(n in arrays)), extra = Object.keys(arrays).filter((n) => !expected.includes(n));
+    if (missing.length || extra.length) {
+      throw new Error(`checkpoint: holds the ${Object.keys(arrays).length} arrays of another model or optimizer, ` +
+        `expected ${expected.length} (missing ${JSON.stringify(missing.slice(0, 3))}, unexpected ` +
+        `${JSON.stringify(extra.slice(0, 3))}); nothing was loaded`);
+    }
+    for (const name of expected) {
+      const a = arrays[name], ref = this._current[name];
+      if (a.type !== ref.type || shapeText(a.dims) !== shapeText(ref.dims)) {
+        throw new Error(`checkpoint: array ${JSON.stringify(name)} is ${a.type}${shapeText(a.dims)}, expected ` +
+          `${ref.type}${shapeText(ref.dims)}; nothing was loaded`);
+      }
+    }
+    if (kind !== undefined && meta.kind !== kind) throw new Error(`checkpoint: written by ${JSON.stringify(meta.kind)}, expected ${JSON.stringify(kind)}`);
+    this._replace(Object.fromEntries(expected.map((n) => [n, new this.ort.Tensor(arrays[n].type, arrays[n].data, arrays[n].dims)])));
+    return meta;
+  }
+
+  /**
+   * The inference model the step was compiled from, with the trained weights (and running statistics) written
+   * into its initializers, as Python's `Runner.export`.
+   * @returns {Promise<Uint8Array>}
+   */
+  async export() {
+    const inference = base64(this._fields.inference ?? "");
+    if (!inference.length) throw new Error("export: the step holds no inference model (saved without one)");
+    const values = {};
+    for (const name of [...this.weightNames, ...this.stateNames.filter((n) => this._p.protocol.inputs
+      .some((i) => i.name === n && i.role === "buffer"))]) {
+      const t = this._current[name];
+      values[name] = { t, data: t.location && t.location !== "cpu" ? await t.getData() : t.data };
+    }
+    const graph = (g) => {
+      const parts = [];
+      for (const f of pb.fields(g)) {
+        const name = f.field === 5 ? pb.text(pb.first(pb.fields(f.value), 8) ?? new Uint8Array()) : null;
+        if (name !== null && name in values) {
+          const { t, data } = values[name];
+          parts.push(pb.lenField(5, pb.encodeTensor(name, pb.ONNX_TYPE[t.type], t.dims, data)));
+        } else parts.push(pb.raw(g, f));
+      }
+      return pb.concat(parts);
+    };
+    return pb.rewriteModel(inference, graph);
+  }
+
+  /** Releases the sessions. */
+  async release() {
+    await this._session?.release();
+    await this._epochSession?.release();
+  }
+}
