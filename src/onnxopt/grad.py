@@ -102,7 +102,7 @@ def _output(g: ir.Graph, of: str | None) -> ir.Value:
     found = [o for o in g.outputs if o.name == of]
     if not found:
         raise ModelError(f"of: {of!r} is not an output of the model (expected one of {[o.name for o in g.outputs]})")
-    if found[0].dtype not in _FLOATS:
+    if found[0].dtype is not None and found[0].dtype not in _FLOATS:
         raise ModelError(f"of: output {of!r} is not a float tensor (got {getattr(found[0].dtype, 'name', None)})")
     return found[0]
 
@@ -120,18 +120,25 @@ def _differentiate(m: ir.Model, wrt: list[str], of: str, seed: bool) -> tuple[ir
     """``m`` (changed in place) differentiated: (the model, its outputs, the gradients of output ``of`` with
     respect to the graph inputs ``wrt``, seeded by an input ``<of>_grad`` or ones)."""
     from onnxopt.autodiff import differentiate
+    from onnxopt.passes.modes import apply_mode
     from onnxopt.rules import lower_for_gradient
 
+    apply_mode(m, None)  # NOTE: BatchNormalization and Dropout as their training_mode says, in standard ops
     lower_for_gradient(m, gradient="onnxopt")
     passes.CommonSubexpressionEliminationPass()(m)
     g = m.graph
     kept = list(g.outputs)
     target = next(o for o in kept if o.name == of)
+    if target.dtype is None:
+        target.type = ir.TensorType(_inferred_type(m, of))
     g.outputs[:] = [target]
     differentiate(m, [], wrt)
     grads = list(g.outputs)
     node = next(n for n in g if n.op_type == "YieldOp")
-    seed_input = ir.Value(name=f"{of}_grad", type=target.type, shape=target.shape)
+    # NOTE: the rank only, as the engine's YieldOp outputs: a declared size can be ONNX inference's (STFT's frames)
+    shape = None if target.shape is None else ir.Shape([d if isinstance(d, ir.SymbolicDim) else None
+                                                          for d in target.shape])
+    seed_input = ir.Value(name=f"{of}_grad", type=target.type, shape=shape)
     if seed:
         g.inputs.append(seed_input)
     if node.outputs:
@@ -151,3 +158,14 @@ def _one(g: ir.Graph, before: ir.Node, like: ir.Value) -> ir.Value:
     node = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(1.0, dtype=dtype.numpy()))})
     g.insert_before(before, node)
     return node.outputs[0]
+
+
+def _inferred_type(m: ir.Model, name: str) -> ir.DataType:
+    """The element type ONNX shape inference gives output ``name`` (a float one), else a ModelError."""
+    proto = onnx.shape_inference.infer_shapes(ir.to_proto(m), strict_mode=False)
+    found = [o.type.tensor_type.elem_type for o in proto.graph.output if o.name == name]
+    dtype = ir.DataType(found[0]) if found and found[0] else None
+    if dtype not in _FLOATS:
+        raise ModelError(f"of: output {name!r} has no float type ONNX shape inference finds (got {dtype}); "
+                         "expected a float output")
+    return dtype
