@@ -23,7 +23,7 @@ def load_rules() -> dict:
     global _loaded
     if not _loaded:
         from onnxopt.autodiff import conv, elementwise, linalg, norm, recurrent, reduce, shape, templates  # noqa: F401
-        from onnxopt.autodiff import transformer  # noqa: F401
+        from onnxopt.autodiff import control, transformer  # noqa: F401
 
         templates.register()
         _loaded = True

@@ -194,6 +194,9 @@ class Ctx(_Op):
         known = full is not None and all(isinstance(d, int) or getattr(d, "value", None) is not None for d in full)
         return small if known and full == out else g
 
+    captures: list[ir.Value] = []  # NOTE: the outer values its subgraphs read that need a gradient (engine sets)
+    opsets: dict[str, int] = {}
+
     def need(self, i: int) -> bool:
         return i in self._need
 
@@ -488,9 +491,12 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
         r = _rule_of(node)
         if r.inputs is not None:
             need &= set(r.inputs)
-        if not need:
+        # NOTE: the outer values a subgraph reads (If, Loop, Scan): their gradients follow the inputs'
+        captures = [v for v in dict.fromkeys(_reads(node)) if v in active and v not in node.inputs]
+        if not need and not captures:
             continue
         ctx = Ctx(node, outs, need, dims, types, shared)
+        ctx.captures, ctx.opsets = captures, dict(m.opset_imports)
         try:
             gis = r.fn(ctx)
         except (ModelError, NotDifferentiableError):
@@ -500,11 +506,12 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
                              f"{[v.name if v is not None else '' for v in node.inputs]}): {exc}") from exc
         gis = [gis] if isinstance(gis, ir.Value) else list(gis)
         backward += ctx.tape.nodes
-        for i in sorted(need):
+        targets = [*node.inputs, *captures]
+        for i in [*sorted(need), *range(len(node.inputs), len(targets))]:
             gi = gis[i] if i < len(gis) else None
             if gi is None:
                 continue
-            x = node.inputs[i]
+            x = targets[i]
             if gi.type is None:
                 gi.type = x.type
             if gi.shape is None and x.shape is not None:
