@@ -76,8 +76,8 @@ def body_gradient(c, body: ir.Graph, wrt: Sequence[ir.Value]) -> tuple[ir.Graph,
     prefix = f"_cf{next(_fresh)}_"
     for value in [*g.inputs, *(o for n in g.all_nodes() for o in n.outputs)]:
         value.name = prefix + (value.name or "v")
-    for n in g.all_nodes():
-        n.name = prefix + (n.name or n.op_type)
+    for k, n in enumerate(g.all_nodes()):
+        n.name = f"{prefix}{n.op_type}{k}"
     return g, seeds
 
 
@@ -105,3 +105,100 @@ def _if(c):
         branches[attr] = ir.AttrGraph(attr, _detach(g, f"{c.node.name or 'If'}_{attr}_grad"))
     outs = c.tape.op_multi_out("If", [c.I(0)], branches, num_outputs=len(c.captures))
     return [None] * len(c.node.inputs) + list(outs)
+
+
+def _splice(g: ir.Graph, values: Sequence[ir.Value | None]) -> list[ir.Node]:
+    """``g``'s nodes reading ``values`` in place of its inputs (None: left unread), detached from ``g``."""
+    for inp, value in zip(list(g.inputs), values):
+        if value is not None:
+            ir.convenience.replace_all_uses_with(inp, value, replace_graph_outputs=True)
+    outputs = list(g.outputs)
+    g.outputs.clear()
+    nodes = list(g)
+    for n in reversed(nodes):
+        g.remove(n)
+    g.outputs.extend(outputs)
+    return nodes
+
+
+def _value(name: str, like: ir.Value | None = None, dtype: ir.DataType | None = None) -> ir.Value:
+    return ir.Value(name=name, type=like.type if like is not None else ir.TensorType(dtype),
+                    shape=like.shape if like is not None else None)
+
+
+def _keep_inputs(node: ir.Node, body: ir.Graph, states: Sequence[ir.Value], attrs: Sequence[str] = ()) -> list:
+    """Makes the forward ``node`` also output ``states`` (body inputs) at each iteration's start, stacked as
+    scan outputs along axis 0 in iteration order; returns those new outputs."""
+    for k, state in enumerate(states):
+        copy = ir.node("Identity", [state], outputs=[_value(f"{state.name}_kept{next(_fresh)}", state)])
+        body.append(copy)
+        body.outputs.append(copy.outputs[0])
+    for name in attrs:  # NOTE: Scan's per-output axes and directions: the kept states along 0, forward
+        if name in node.attributes:
+            values = list(node.attributes[name].as_ints())
+            node.attributes[name] = ir.AttrInt64s(name, values + [0] * len(states))
+    n = len(node.outputs)
+    node.resize_outputs(n + len(states))
+    kept = list(node.outputs[n:])
+    for value, state in zip(kept, states):
+        value.type = state.type
+    return kept
+
+
+def _floats(c, values) -> list[int]:
+    from onnxopt.autodiff.engine import FLOATS
+
+    return [k for k, v in enumerate(values) if (v.dtype or c._types.get(v.name)) in FLOATS]
+
+
+@rule("Scan", family=F)
+def _scan(c):
+    """A Scan over the reversed sequence: the forward keeps each iteration's states as scan outputs; the reverse
+    body is the body's gradient, the state gradients carried, the outer values' gradients summed as states."""
+    node, body = c.node, c.node.attributes["body"].as_graph()
+    m = node.attributes.get_int("num_scan_inputs")
+    n = len(node.inputs) - m
+    k_out = len(node.outputs) - n
+    ints = node.attributes.get_ints
+    in_axes, in_dirs = list(ints("scan_input_axes", [0] * m)), list(ints("scan_input_directions", [0] * m))
+    out_axes, out_dirs = list(ints("scan_output_axes", [0] * k_out)), list(ints("scan_output_directions", [0] * k_out))
+    states, elems = list(body.inputs[:n]), list(body.inputs[n:])
+    fs, fx = _floats(c, states), [k for k in _floats(c, elems) if c.need(n + k)]
+    caps = c.captures
+    g, seeds = body_gradient(c, body, [*(states[k] for k in fs), *(elems[k] for k in fx), *caps])
+    kept = _keep_inputs(node, body, states, ("scan_output_axes", "scan_output_directions"))
+    # reverse body: states (dS for float states, dC sums), scan inputs (kept states, x, dY), outputs
+    p = f"_cf{next(_fresh)}_"
+    d_states = [_value(f"{p}ds{k}", states[k]) for k in fs]
+    d_caps = [_value(f"{p}dc{k}", v) for k, v in enumerate(caps)]
+    s_in = [_value(f"{p}s{k}", v) for k, v in enumerate(states)]
+    x_in = [_value(f"{p}x{k}", v) for k, v in enumerate(elems)]
+    dy_outs = [k for k in seeds if k >= n]
+    dy_in = [_value(f"{p}dy{k}", seeds[k]) for k in dy_outs]
+    seed_values = [d_states[fs.index(k)] if k < n else dy_in[dy_outs.index(k)] for k in seeds]
+    nodes = _splice(g, [*s_in, *x_in, *seed_values])
+    grads = list(g.outputs)
+    tape = ir.tape.Tape()
+    dc_out = [tape.op("Add", [acc, d]) for acc, d in zip(d_caps, grads[len(fs) + len(fx):])]
+    outs = [*(tape.op("Identity", [d]) for d in grads[:len(fs)]), *dc_out,
+            *(tape.op("Identity", [d]) for d in grads[len(fs):len(fs) + len(fx)])]
+    for k, v in enumerate(outs):
+        v.name = f"{p}out{k}"
+    rbody = ir.Graph([*d_states, *d_caps, *s_in, *x_in, *dy_in], outs, nodes=[*nodes, *tape.nodes],
+                     name=f"{node.name or 'Scan'}_grad")
+    zeros = [c.Expand(c.const(0.0, v), c.Shape(v)) for v in caps]
+    dys = [c.go(k) for k in dy_outs]
+    attrs = {"body": ir.AttrGraph("body", rbody), "num_scan_inputs": ir.AttrInt64("num_scan_inputs", n + m + len(dys)),
+             "scan_input_axes": ir.AttrInt64s("scan_input_axes", [0] * n + in_axes + [out_axes[k - n] for k in dy_outs]),
+             "scan_input_directions": ir.AttrInt64s("scan_input_directions", [1] * n + [1 - d for d in in_dirs] +
+                                                    [1 - out_dirs[k - n] for k in dy_outs]),
+             "scan_output_axes": ir.AttrInt64s("scan_output_axes", [in_axes[k] for k in fx]),
+             "scan_output_directions": ir.AttrInt64s("scan_output_directions", [1 - in_dirs[k] for k in fx])}
+    r = c.tape.op_multi_out("Scan", [*(c.go(k) for k in fs), *zeros, *kept, *node.inputs[n:], *dys], attrs,
+                            num_outputs=len(outs))
+    gis: list = [None] * len(node.inputs)
+    for j, k in enumerate(fs):
+        gis[k] = r[j]
+    for j, k in enumerate(fx):
+        gis[n + k] = r[len(fs) + len(caps) + j]
+    return gis + list(r[len(fs):len(fs) + len(caps)])
