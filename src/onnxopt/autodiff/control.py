@@ -73,12 +73,18 @@ def body_gradient(c, body: ir.Graph, wrt: Sequence[ir.Value]) -> tuple[ir.Graph,
     for v, holder in holders.items():
         ir.convenience.replace_all_uses_with(holder, v, replace_graph_outputs=True)
     g.inputs[:] = [*body_inputs, *seeds.values()]
+    _name_all(g)
+    return g, seeds
+
+
+def _name_all(g: ir.Graph) -> None:
+    """Names every value and node of ``g`` (and its subgraphs) uniquely in the model: the serializer would
+    name the unnamed ones ``val_<k>`` per graph, and a subgraph's name may not shadow an outer one."""
     prefix = f"_cf{next(_fresh)}_"
-    for value in [*g.inputs, *(o for n in g.all_nodes() for o in n.outputs)]:
-        value.name = prefix + (value.name or "v")
+    for k, value in enumerate([*g.inputs, *(o for n in g.all_nodes() for o in n.outputs)]):
+        value.name = f"{prefix}{value.name or ''}{k}"
     for k, n in enumerate(g.all_nodes()):
         n.name = f"{prefix}{n.op_type}{k}"
-    return g, seeds
 
 
 def _detach(g: ir.Graph, name: str) -> ir.Graph:
@@ -103,6 +109,7 @@ def _if(c):
             ir.convenience.replace_all_uses_with(seed, c.go(k))
         g.inputs.clear()
         branches[attr] = ir.AttrGraph(attr, _detach(g, f"{c.node.name or 'If'}_{attr}_grad"))
+        _name_all(branches[attr].value)
     outs = c.tape.op_multi_out("If", [c.I(0)], branches, num_outputs=len(c.captures))
     return [None] * len(c.node.inputs) + list(outs)
 
@@ -186,6 +193,7 @@ def _scan(c):
         v.name = f"{p}out{k}"
     rbody = ir.Graph([*d_states, *d_caps, *s_in, *x_in, *dy_in], outs, nodes=[*nodes, *tape.nodes],
                      name=f"{node.name or 'Scan'}_grad")
+    _name_all(rbody)
     zeros = [c.Expand(c.const(0.0, v), c.Shape(v)) for v in caps]
     dys = [c.go(k) for k in dy_outs]
     attrs = {"body": ir.AttrGraph("body", rbody), "num_scan_inputs": ir.AttrInt64("num_scan_inputs", n + m + len(dys)),
@@ -202,3 +210,46 @@ def _scan(c):
     for j, k in enumerate(fx):
         gis[n + k] = r[len(fs) + len(caps) + j]
     return gis + list(r[len(fs):len(fs) + len(caps)])
+
+
+@rule("Loop", family=F)
+def _loop(c):
+    """A Loop back over the iterations: the forward keeps each iteration's number and states as scan outputs;
+    reverse iteration j differentiates forward iteration T-1-j (its states and scan-output gradients gathered
+    at that index), the state gradients carried, the outer values' gradients summed as states."""
+    node, body = c.node, c.node.attributes["body"].as_graph()
+    n = len(node.inputs) - 2
+    states = list(body.inputs[2:])
+    fs, caps = _floats(c, states), c.captures
+    g, seeds = body_gradient(c, body, [*(states[k] for k in fs), *caps])
+    kept = _keep_inputs(node, body, [body.inputs[0], *states])
+    trips = c.Squeeze(c.Shape(kept[0]))
+    p = f"_cf{next(_fresh)}_"
+    j, cond = _value(f"{p}j", dtype=ir.DataType.INT64), _value(f"{p}cond", dtype=ir.DataType.BOOL)
+    j.shape, cond.shape = ir.Shape([]), ir.Shape([])
+    d_states = [_value(f"{p}ds{k}", states[k]) for k in fs]
+    d_caps = [_value(f"{p}dc{k}", v) for k, v in enumerate(caps)]
+    tape = ir.tape.Tape()
+    one = tape.op("Constant", [], {"value": ir.tensor(1, dtype=ir.DataType.INT64)})
+    i = tape.op("Sub", [tape.op("Sub", [trips, one]), j])
+    at = [tape.op("Gather", [v, i], {"axis": 0}) for v in kept]
+    true = tape.op("Constant", [], {"value": ir.tensor(True, dtype=ir.DataType.BOOL)})
+    seed_values = [d_states[fs.index(k - 1)] if k <= n else tape.op("Gather", [c.go(k - 1), i], {"axis": 0})
+                   for k in seeds]
+    nodes = _splice(g, [at[0], true, *at[1:], *seed_values])
+    grads = list(g.outputs)
+    end = ir.tape.Tape()
+    outs = [end.op("Identity", [cond]), *(end.op("Identity", [d]) for d in grads[:len(fs)]),
+            *(end.op("Add", [acc, d]) for acc, d in zip(d_caps, grads[len(fs):]))]
+    for k, v in enumerate(outs):
+        v.name = f"{p}out{k}"
+    rbody = ir.Graph([j, cond, *d_states, *d_caps], outs, nodes=[*tape.nodes, *nodes, *end.nodes],
+                     name=f"{node.name or 'Loop'}_grad")
+    _name_all(rbody)
+    zeros = [c.Expand(c.const(0.0, v), c.Shape(v)) for v in caps]
+    r = c.tape.op_multi_out("Loop", [trips, None, *(c.go(k) for k in fs), *zeros],
+                            {"body": ir.AttrGraph("body", rbody)}, num_outputs=len(outs) - 1)
+    gis: list = [None] * len(node.inputs)
+    for idx, k in enumerate(fs):
+        gis[2 + k] = r[idx]
+    return gis + list(r[len(fs):])
