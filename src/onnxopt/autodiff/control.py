@@ -133,9 +133,10 @@ def _value(name: str, like: ir.Value | None = None, dtype: ir.DataType | None = 
                     shape=like.shape if like is not None else None)
 
 
-def _keep_inputs(node: ir.Node, body: ir.Graph, states: Sequence[ir.Value], attrs: Sequence[str] = ()) -> list:
-    """Makes the forward ``node`` also output ``states`` (body inputs) at each iteration's start, stacked as
-    scan outputs along axis 0 in iteration order; returns those new outputs."""
+def _keep_inputs(node: ir.Node, body: ir.Graph, states: Sequence[ir.Value], types: Sequence,
+                 attrs: Sequence[str] = ()) -> list:
+    """Makes the forward ``node`` also output ``states`` (body inputs, of ``types``) at each iteration's start,
+    stacked as scan outputs along axis 0 in iteration order; returns those new outputs."""
     for k, state in enumerate(states):
         copy = ir.node("Identity", [state], outputs=[_value(f"{state.name}_kept{next(_fresh)}", state)])
         body.append(copy)
@@ -147,8 +148,8 @@ def _keep_inputs(node: ir.Node, body: ir.Graph, states: Sequence[ir.Value], attr
     n = len(node.outputs)
     node.resize_outputs(n + len(states))
     kept = list(node.outputs[n:])
-    for value, state in zip(kept, states):
-        value.type = state.type
+    for value, t in zip(kept, types):
+        value.type = t
     return kept
 
 
@@ -170,16 +171,18 @@ def _scan(c):
     in_axes, in_dirs = list(ints("scan_input_axes", [0] * m)), list(ints("scan_input_directions", [0] * m))
     out_axes, out_dirs = list(ints("scan_output_axes", [0] * k_out)), list(ints("scan_output_directions", [0] * k_out))
     states, elems = list(body.inputs[:n]), list(body.inputs[n:])
-    fs, fx = _floats(c, states), [k for k in _floats(c, elems) if c.need(n + k)]
+    # NOTE: types from the Scan's inputs: a body's inputs may be untyped
+    fs, fx = _floats(c, node.inputs[:n]), [k for k in _floats(c, node.inputs[n:]) if c.need(n + k)]
     caps = c.captures
     g, seeds = body_gradient(c, body, [*(states[k] for k in fs), *(elems[k] for k in fx), *caps])
-    kept = _keep_inputs(node, body, states, ("scan_output_axes", "scan_output_directions"))
+    kept = _keep_inputs(node, body, states, [v.type for v in node.inputs[:n]],
+                        ("scan_output_axes", "scan_output_directions"))
     # reverse body: states (dS for float states, dC sums), scan inputs (kept states, x, dY), outputs
     p = f"_cf{next(_fresh)}_"
-    d_states = [_value(f"{p}ds{k}", states[k]) for k in fs]
+    d_states = [_value(f"{p}ds{k}", node.inputs[k]) for k in fs]
     d_caps = [_value(f"{p}dc{k}", v) for k, v in enumerate(caps)]
-    s_in = [_value(f"{p}s{k}", v) for k, v in enumerate(states)]
-    x_in = [_value(f"{p}x{k}", v) for k, v in enumerate(elems)]
+    s_in = [_value(f"{p}s{k}", v) for k, v in enumerate(node.inputs[:n])]
+    x_in = [_value(f"{p}x{k}", ir.Value(type=v.type)) for k, v in enumerate(node.inputs[n:])]
     dy_outs = [k for k in seeds if k >= n]
     dy_in = [_value(f"{p}dy{k}", seeds[k]) for k in dy_outs]
     seed_values = [d_states[fs.index(k)] if k < n else dy_in[dy_outs.index(k)] for k in seeds]
@@ -220,14 +223,15 @@ def _loop(c):
     node, body = c.node, c.node.attributes["body"].as_graph()
     n = len(node.inputs) - 2
     states = list(body.inputs[2:])
-    fs, caps = _floats(c, states), c.captures
+    fs, caps = _floats(c, node.inputs[2:]), c.captures  # NOTE: a body's inputs may be untyped
     g, seeds = body_gradient(c, body, [*(states[k] for k in fs), *caps])
-    kept = _keep_inputs(node, body, [body.inputs[0], *states])
+    kept = _keep_inputs(node, body, [body.inputs[0], *states],
+                        [ir.TensorType(ir.DataType.INT64), *(v.type for v in node.inputs[2:])])
     trips = c.Squeeze(c.Shape(kept[0]))
     p = f"_cf{next(_fresh)}_"
     j, cond = _value(f"{p}j", dtype=ir.DataType.INT64), _value(f"{p}cond", dtype=ir.DataType.BOOL)
     j.shape, cond.shape = ir.Shape([]), ir.Shape([])
-    d_states = [_value(f"{p}ds{k}", states[k]) for k in fs]
+    d_states = [_value(f"{p}ds{k}", node.inputs[2 + k]) for k in fs]
     d_caps = [_value(f"{p}dc{k}", v) for k, v in enumerate(caps)]
     tape = ir.tape.Tape()
     one = tape.op("Constant", [], {"value": ir.tensor(1, dtype=ir.DataType.INT64)})

@@ -492,7 +492,8 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
         if r.inputs is not None:
             need &= set(r.inputs)
         # NOTE: the outer values a subgraph reads (If, Loop, Scan): their gradients follow the inputs'
-        captures = [v for v in dict.fromkeys(_reads(node)) if v in active and v not in node.inputs]
+        inner = _reads(node)[sum(v is not None for v in node.inputs):]
+        captures = [v for v in dict.fromkeys(inner) if v in active]
         if not need and not captures:
             continue
         ctx = Ctx(node, outs, need, dims, types, shared)
