@@ -329,3 +329,37 @@ def test_loop_trains_like_torch_sgd():
         opt.step()
         assert loss == pytest.approx(expected.item(), rel=1e-5)
     np.testing.assert_allclose(runner.get_weights()["W"], tw.detach().numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_onnx_module_trains_through_torch_cond():
+    """The partial-training path: OnnxModule (ForwardBackward's split forward and backward models) on a model
+    with an If, its parameter gradients against torch's for batches taking each branch."""
+    from onnxopt.torch import OnnxModule
+
+    torch.manual_seed(11)
+    module = Cond().double()
+    X = torch.randn(4, 3, dtype=torch.float64)
+    wrapped = OnnxModule(export_cond(module, X))
+    for xb in (X, -X - 3.0, X + 3.0):
+        wrapped.zero_grad()
+        module.zero_grad()
+        xo, xt = xb.clone().requires_grad_(), xb.clone().requires_grad_()
+        (wrapped(xo) ** 2).sum().backward()
+        (module(xt) ** 2).sum().backward()
+        np.testing.assert_allclose(xo.grad.numpy(), xt.grad.numpy(), rtol=1e-10, atol=1e-12)
+        params = dict(module.named_parameters())
+        for name, safe in wrapped.param_names.items():
+            np.testing.assert_allclose(getattr(wrapped, safe).grad.numpy(), params[name].grad.numpy(),
+                                       rtol=1e-10, atol=1e-12)
+
+
+def test_forward_backward_through_scan():
+    m = scan_rnn(1)
+    fb = onnxopt.ForwardBackward(m, weights=["W", "U"], inputs=["X"])
+    rng = np.random.default_rng(12)
+    X, H0 = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 3))
+    outputs = fb.forward({"H0": H0, "X": X})
+    grads = fb.backward([np.ones(()), None], outputs)
+    expected = run(onnxopt.grad(m, ["X", "W", "U"], of="L"), X=X, H0=H0)
+    for name in ("X", "W", "U"):
+        np.testing.assert_allclose(grads[name], expected[f"{name}_grad"], rtol=1e-12, atol=1e-14)
