@@ -363,3 +363,34 @@ def test_forward_backward_through_scan():
     expected = run(onnxopt.grad(m, ["X", "W", "U"], of="L"), X=X, H0=H0)
     for name in ("X", "W", "U"):
         np.testing.assert_allclose(grads[name], expected[f"{name}_grad"], rtol=1e-12, atol=1e-14)
+
+
+def test_sequence_ops_match_finite_differences():
+    """SplitToSequence, SequenceAt (a sequence read twice: the gradients summed as sequences), SequenceInsert,
+    SequenceConstruct, ConcatFromSequence (stacking and concatenating) in float64."""
+    i64 = np.int64
+    nodes = [oh.make_node("SplitToSequence", ["X"], ["s"], axis=0, keepdims=0),
+             oh.make_node("Constant", [], ["i0"], value=nh.from_array(np.array(0, i64))),
+             oh.make_node("Constant", [], ["i2"], value=nh.from_array(np.array(-2, i64))),
+             oh.make_node("SequenceAt", ["s", "i0"], ["a"]), oh.make_node("SequenceAt", ["s", "i2"], ["b"]),
+             oh.make_node("Mul", ["a", "b"], ["ab"]), oh.make_node("Tanh", ["ab"], ["t"]),
+             oh.make_node("SequenceInsert", ["s", "t", "i0"], ["s2"]),
+             oh.make_node("SequenceConstruct", ["Y0", "t"], ["s3"]),
+             oh.make_node("ConcatFromSequence", ["s2"], ["c"], axis=0, new_axis=1),
+             oh.make_node("ConcatFromSequence", ["s3"], ["c3"], axis=0),
+             oh.make_node("SplitToSequence", ["c", "sp"], ["s4"], axis=1),
+             oh.make_node("ConcatFromSequence", ["s4"], ["c4"], axis=1),
+             oh.make_node("Mul", ["c4", "c4"], ["c5"]), oh.make_node("ReduceSum", ["c5"], ["r1"], keepdims=0),
+             oh.make_node("ReduceSum", ["c3"], ["r2"], keepdims=0), oh.make_node("Mul", ["r2", "r2"], ["r3"]),
+             oh.make_node("Add", ["r1", "r3"], ["L"])]
+    graph = oh.make_graph(nodes, "seq", [oh.make_tensor_value_info("X", D, [4, 3]),
+                                         oh.make_tensor_value_info("Y0", D, [3])],
+                          [oh.make_tensor_value_info("L", D, [])], [nh.from_array(np.array([1, 2], i64), "sp")])
+    m = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=10)
+    rng = np.random.default_rng(13)
+    feeds = {"X": rng.normal(size=(4, 3)), "Y0": rng.normal(size=3)}
+    out = run(onnxopt.grad(m, ["X", "Y0"]), **feeds)
+    sess = session(m)
+    fd = finite_differences(lambda p: float(sess.run(None, p)[0]), feeds, ["X", "Y0"])
+    np.testing.assert_allclose(out["X_grad"], fd["X"], rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(out["Y0_grad"], fd["Y0"], rtol=1e-6, atol=1e-8)

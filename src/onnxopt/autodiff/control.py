@@ -257,3 +257,95 @@ def _loop(c):
     for idx, k in enumerate(fs):
         gis[2 + k] = r[idx]
     return gis + list(r[len(fs):])
+
+
+# ---- sequences: a sequence's gradient is a sequence of its tensors' gradients
+
+_SEQUENCE_OUTPUTS = {"SplitToSequence", "SequenceConstruct", "SequenceInsert", "SequenceErase", "SequenceEmpty",
+                     "SequenceMap"}
+
+
+def retype_sequences(model: ir.Model) -> None:
+    """Gives the outputs of sequence ops a sequence type where shape inference wrote a tensor type (onnx_ir's
+    ShapeInferencePass does on sequences of tensors: the rules read the type to tell sequences)."""
+    for node in model.graph.all_nodes():
+        if node.op_type in _SEQUENCE_OUTPUTS and node.domain in ("", "ai.onnx"):
+            for out in node.outputs:
+                if isinstance(out.type, ir.TensorType):
+                    out.type, out.shape = ir.SequenceType(out.type), None
+
+def sequence_map(tape: ir.tape.Tape, seqs: Sequence[ir.Value], build, elem_types: Sequence) -> ir.Value:
+    """SequenceMap over ``seqs`` whose body returns ``build(tape, *elements)`` (one tensor per element)."""
+    inputs = [ir.Value(name=f"e{k}", type=t) for k, t in enumerate(elem_types)]
+    body_tape = ir.tape.Tape()
+    out = build(body_tape, *inputs)
+    body = ir.Graph(inputs, [out], nodes=body_tape.nodes, name="sequence_map")
+    _name_all(body)
+    return tape.op("SequenceMap", list(seqs), {"body": ir.AttrGraph("body", body)})
+
+
+def _elem_type(v: ir.Value):
+    t = v.type
+    return t.elem_type if isinstance(t, ir.SequenceType) else t
+
+
+def sequence_add(tape: ir.tape.Tape, a: ir.Value, b: ir.Value) -> ir.Value:
+    """The element-wise sum of two sequences of gradients."""
+    t = _elem_type(a) or _elem_type(b)
+    return sequence_map(tape, [a, b], lambda tp, x, y: tp.op("Add", [x, y]), [t, t])
+
+
+def _zeros_like(c, seq: ir.Value) -> ir.Value:
+    def build(tp, x):
+        zero = tp.op("Constant", [], {"value": ir.tensor(0.0, dtype=seq.dtype)})
+        return tp.op("Expand", [zero, tp.op("Shape", [x])])
+    return sequence_map(c.tape, [seq], build, [_elem_type(seq)])
+
+
+def _position(c, seq: ir.Value, pos: ir.Value | None) -> ir.Value:
+    """``pos`` counted from the front of ``seq`` (length n): pos + n when negative; n when None (the end)."""
+    n = c.SequenceLength(seq)
+    if pos is None:
+        return n
+    pos = c.Cast(pos, to=ir.DataType.INT64)
+    return c.Where(c.Less(pos, c.Constant(value_int=0)), c.Add(pos, n), pos)
+
+
+@rule("SequenceConstruct", family=F)
+def _sequence_construct(c):
+    """dx_i = the i-th gradient of the sequence."""
+    return [c.SequenceAt(c.go(0), c.Constant(value_int=i)) for i in range(len(c.node.inputs))]
+
+
+@rule("SequenceAt", family=F, inputs=(0,))
+def _sequence_at(c):
+    """d seq = zeros with dy at the position read."""
+    seq = c.I(0)
+    pos = _position(c, seq, c.I(1))
+    return [c.SequenceInsert(c.SequenceErase(_zeros_like(c, seq), pos), c.go(0), pos)]
+
+
+@rule("SequenceInsert", family=F, inputs=(0, 1))
+def _sequence_insert(c):
+    """d seq = dy without the inserted position, d tensor = dy at it."""
+    pos = _position(c, c.I(0), c.I(2))
+    dy = c.go(0)
+    return [c.SequenceErase(dy, pos) if c.need(0) else None, c.SequenceAt(dy, pos) if c.need(1) else None]
+
+
+@rule("ConcatFromSequence", family=F)
+def _concat_from_sequence(c):
+    """d seq = dy split back: in slices of one along the new axis, else by each tensor's size on the axis."""
+    axis, dy = c.attr("axis"), c.go(0)
+    if c.attr("new_axis", 0):
+        return [c.SplitToSequence(dy, axis=axis, keepdims=0)]
+    span = {"start": axis} if axis == -1 else {"start": axis, "end": axis + 1}
+    sizes = sequence_map(c.tape, [c.I(0)], lambda tp, x: tp.op("Shape", [x], span), [_elem_type(c.I(0))])
+    return [c.SplitToSequence(dy, c.ConcatFromSequence(sizes, axis=0), axis=axis)]
+
+
+@rule("SplitToSequence", family=F, inputs=(0,))
+def _split_to_sequence(c):
+    """dx = the gradients concatenated back (stacked when the split dropped the axis)."""
+    stacked = c.I(1) is None and c.attr("keepdims", 1) == 0
+    return [c.ConcatFromSequence(c.go(0), axis=c.attr("axis", 0), new_axis=int(stacked))]

@@ -304,6 +304,13 @@ def _sum(tape_op: _Op, parts: list[ir.Value]) -> ir.Value:
     when another part has the full shape: Add and Sum broadcast it without writing the copy."""
     if len(parts) == 1:
         return parts[0]
+    if isinstance(parts[0].type, ir.SequenceType):  # NOTE: a sequence read several times (SequenceAt)
+        from onnxopt.autodiff.control import sequence_add
+
+        total = parts[0]
+        for p in parts[1:]:
+            total = sequence_add(tape_op.tape, total, p)
+        return total
     parts = _merge_scatters(tape_op, parts)
     if len(parts) == 1:
         return parts[0]
