@@ -87,8 +87,8 @@ def grad(model: ModelLike, wrt: Sequence[str], of: str | None = None, *, seed: b
     for node in g.all_nodes():  # NOTE: a later compile_train_step tags its own regions
         node.metadata_props.pop("onnxopt.region", None)
     passes.RemoveUnusedNodesPass()(result)
-    if not any(n.domain == "com.microsoft" for n in g.all_nodes()):
-        result.opset_imports.pop("com.microsoft", None)
+    if any(n.domain == "com.microsoft" for n in g.all_nodes()):  # NOTE: Det's rule writes its Inverse
+        result.opset_imports.setdefault("com.microsoft", 1)
     return ir.to_proto(result)
 
 

@@ -156,6 +156,9 @@ def _keep_inputs(node: ir.Node, body: ir.Graph, states: Sequence[ir.Value], type
 def _floats(c, values) -> list[int]:
     from onnxopt.autodiff.engine import FLOATS
 
+    if any(isinstance(v.type, ir.SequenceType) for v in values):
+        raise ValueError("a state or scanned value that is a sequence has no rule (states are stacked per "
+                         "iteration); expected tensors")
     return [k for k, v in enumerate(values) if (v.dtype or c._types.get(v.name)) in FLOATS]
 
 
