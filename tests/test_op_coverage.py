@@ -49,7 +49,7 @@ NATURE = {
     "ImageDecoder": "encoded image input",
 }
 # Ops with subgraphs or sequences, whose rules are checked against torch and finite differences on whole models
-ELSEWHERE = {op: "onnxopt rule (tests/test_grad_control.py)" for op in (
+ELSEWHERE = {op: "onnxopt rule, checked in tests/test_grad_control.py" for op in (
     "If", "Loop", "Scan", "ConcatFromSequence", "SequenceAt", "SequenceConstruct", "SequenceInsert", "SplitToSequence")}
 # NOTE: onnx's reference computes these in float32 (erf) or rounds their output to float32
 ROUNDED = {"Erf", "Gelu", "AffineGrid", "DynamicQuantizeLinear",
