@@ -394,3 +394,37 @@ def test_sequence_ops_match_finite_differences():
     fd = finite_differences(lambda p: float(sess.run(None, p)[0]), feeds, ["X", "Y0"])
     np.testing.assert_allclose(out["X_grad"], fd["X"], rtol=1e-6, atol=1e-8)
     np.testing.assert_allclose(out["Y0_grad"], fd["Y0"], rtol=1e-6, atol=1e-8)
+
+
+class ListLoop(torch.nn.Module):
+    """TorchScript's list pattern: a Loop appending to a list (a sequence state), stacked after the loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = x[0]
+        outs: list[torch.Tensor] = []
+        for i in range(x.shape[0]):
+            h = torch.tanh(self.lin(h)) + x[i]
+            outs.append(h)
+        return torch.stack(outs)
+
+
+def test_torchscript_loop_appending_to_a_list_matches_torch():
+    torch.manual_seed(14)
+    module = ListLoop()
+    x = torch.randn(4, 3)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(torch.jit.script(module), (x,), f, dynamo=False, input_names=["X"], output_names=["Y"])
+    proto = onnx.load_from_string(f.getvalue())
+    assert {"Loop", "SequenceEmpty", "SequenceInsert", "ConcatFromSequence"} <= ops(proto.graph)
+    out = run(onnxopt.grad(proto, ["X", "lin.bias"]), X=x.numpy())
+    np.testing.assert_allclose(out["Y"], module(x).detach().numpy(), rtol=1e-6, atol=1e-6)
+    xx = x.clone().requires_grad_()
+    expected = torch.autograd.grad(module(xx).sum(), [xx, module.lin.bias])
+    for name, e in zip(["X", "lin.bias"], expected):
+        np.testing.assert_allclose(out[f"{name}_grad"], e.numpy(), rtol=1e-5, atol=1e-6)

@@ -352,3 +352,63 @@ def _split_to_sequence(c):
     """dx = the gradients concatenated back (stacked when the split dropped the axis)."""
     stacked = c.I(1) is None and c.attr("keepdims", 1) == 0
     return [c.ConcatFromSequence(c.go(0), axis=c.attr("axis", 0), new_axis=int(stacked))]
+
+
+def loop_lists_as_scan_outputs(model: ir.Model) -> int:
+    """Rewrites the list a Loop appends to (TorchScript's ``outs.append(h)`` then ``torch.stack(outs)``: a state
+    from SequenceEmpty, a SequenceInsert at its end in the body, a ConcatFromSequence(axis=0, new_axis=1) after)
+    into a scan output of the Loop, which stacks the same tensors: a Loop's rule keeps tensor states only.
+    Returns the count rewritten."""
+    count = 0
+    for node in list(model.graph.all_nodes()):
+        if node.op_type != "Loop" or node.domain not in ("", "ai.onnx"):
+            continue
+        body = node.attributes["body"].as_graph()
+        n = len(node.inputs) - 2
+        for k in reversed(range(n)):
+            stacked = _appended_list(node, body, k)
+            if stacked is None:
+                continue
+            insert, readers = stacked
+            graph = node.graph
+            body.remove(insert, safe=False)
+            body.outputs.pop(1 + k)
+            body.outputs.append(insert.inputs[1])
+            body.inputs.pop(2 + k)
+            inputs = [v for i, v in enumerate(node.inputs) if i != 2 + k]
+            new = ir.node("Loop", inputs, attributes={"body": ir.AttrGraph("body", body)},
+                          num_outputs=len(node.outputs), name=node.name)
+            graph.insert_before(node, new)
+            olds = [o for i, o in enumerate(node.outputs) if i != k]
+            for old, out in zip(olds, new.outputs):
+                out.name, out.type, out.shape, old.name = old.name, old.type, old.shape, None
+                ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
+            for reader in readers:  # NOTE: an Identity keeps the reader's output (a graph output's name)
+                copy = ir.node("Identity", [new.outputs[-1]], name=reader.name)
+                graph.insert_before(reader, copy)
+                done, copy.outputs[0].name = reader.outputs[0], None
+                copy.outputs[0].type = ir.TensorType(done.dtype) if done.dtype is not None else None
+                ir.convenience.replace_all_uses_with(done, copy.outputs[0], replace_graph_outputs=True)
+                name, done.name = done.name, None
+                graph.remove(reader, safe=True)
+                copy.outputs[0].name = name
+            graph.remove(node, safe=False)
+            node, count = new, count + 1
+    return count
+
+
+def _appended_list(node: ir.Node, body: ir.Graph, k: int):
+    """(the SequenceInsert, the ConcatFromSequence readers) when state ``k`` of the Loop is such a list."""
+    start, out = node.inputs[2 + k].producer() if node.inputs[2 + k] is not None else None, node.outputs[k]
+    if start is None or start.op_type != "SequenceEmpty" or out.is_graph_output():
+        return None
+    uses = list(body.inputs[2 + k].uses())
+    insert = uses[0][0] if len(uses) == 1 else None
+    if insert is None or insert.op_type != "SequenceInsert" or len(insert.inputs) != 2 or insert.graph is not body \
+            or body.outputs[1 + k] is not insert.outputs[0] or len(list(insert.outputs[0].uses())) > 0:
+        return None
+    readers = [r for r, _ in out.uses()]
+    if not readers or any(r.op_type != "ConcatFromSequence" or r.attributes.get_int("axis", 0) != 0 or
+                          r.attributes.get_int("new_axis", 0) != 1 for r in readers):
+        return None
+    return insert, readers
