@@ -42,7 +42,8 @@ def ops(graph) -> set[str]:
 
 
 class Cond(torch.nn.Module):
-    """A data-dependent branch (torch.cond) whose branches read a parameter of the module."""
+    """A data-dependent branch (torch.cond) whose then branch reads a parameter of the module (no x·sigmoid(x):
+    onnxruntime 1.19 fuses it into QuickGelu, which has no float64 kernel)."""
 
     def __init__(self):
         super().__init__()
@@ -50,7 +51,7 @@ class Cond(torch.nn.Module):
 
     def forward(self, x):
         h = self.lin(x)
-        return torch.cond(h.sum() > 0, lambda h: torch.tanh(h) * self.w, lambda h: torch.sigmoid(h) * h, (h,))
+        return torch.cond(h.sum() > 0, lambda h: torch.tanh(h) * self.w, lambda h: torch.sigmoid(h) + h * h, (h,))
 
 
 def export_cond(module, x):
