@@ -3,9 +3,10 @@
 on a small MLP and a small CNN; and a Scan RNN step against the same RNN unrolled into straight-line nodes.
 
 Turns alternate within one process, each after an untimed step; the figure is the median of the turns'
-medians, in ms per step. Two threads each. Prints a markdown table.
+medians, in ms per step. torch on two threads (--torch-threads), onnxruntime as the Runner picks. Prints a
+markdown table.
 
-    python benchmarks/grad_penalty.py [--turns 5] [--steps 20]
+    python benchmarks/grad_penalty.py [--turns 5] [--steps 20] [--torch-threads 2]
 """
 
 from __future__ import annotations
@@ -171,8 +172,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--torch-threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.torch_threads)
     print("| workload | onnxopt ms/step | peer ms/step | ratio |")
     print("|---|---|---|---|")
     for row in penalty_rows(args.turns, args.steps) + rnn_rows(args.turns, args.steps):
