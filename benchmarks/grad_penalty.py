@@ -113,8 +113,8 @@ def penalty_rows(turns: int, steps: int) -> list[str]:
         runner = onnxopt.Runner(step)
         opt = torch.optim.SGD(module.parameters(), lr=LR)
         xn = x.numpy()
-        t = compare({"onnxopt": lambda: runner.step(xn), "torch": lambda: torch_step(module, opt, x.clone())},
-                    turns, steps)
+        t = compare({"onnxopt": lambda r=runner, xn=xn: r.step(xn),
+                     "torch": lambda m=module, o=opt, x=x: torch_step(m, o, x.clone())}, turns, steps)
         rows.append(f"| {name} | {t['onnxopt']:.2f} | {t['torch']:.2f} | {t['onnxopt'] / t['torch']:.2f} |")
     return rows
 
@@ -164,8 +164,8 @@ def rnn_rows(turns: int, steps: int) -> list[str]:
                                           weights=["W", "U", "b"])
         runners[name] = onnxopt.Runner(step)
     t = compare({name: (lambda r=r: r.step(x, y)) for name, r in runners.items()}, turns, steps)
-    return [f"| RNN step (Scan vs unrolled), 32 steps, batch 16, hidden 64 | {t['scan']:.2f} | {t['unrolled']:.2f} | "
-            f"{t['scan'] / t['unrolled']:.2f} |"]
+    return [(f"| RNN step (Scan vs unrolled), 32 steps, batch 16, hidden 64 | {t['scan']:.2f} | "
+             f"{t['unrolled']:.2f} | {t['scan'] / t['unrolled']:.2f} |")]
 
 
 def main() -> None:

@@ -11,9 +11,9 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import pytest
+from helpers import finite_differences, importorskip, session
 from onnx import TensorProto
 
-from helpers import finite_differences, importorskip, session
 import onnxopt
 from onnxopt.errors import ModelError
 
@@ -130,7 +130,7 @@ def test_hessian_vector_products_match_torch(case, dynamo):
     out = run(hvp_model(proto, weights, shape, elem), X=x.numpy(), V=v.numpy())
     expected = torch_hvp(module, x, v, weights)
     _, hv = torch.autograd.functional.hvp(lambda z: module(z).sum(), x, v)
-    tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    tol = {"rtol": 1e-9, "atol": 1e-11} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
     np.testing.assert_allclose(out["X_grad2"], hv.numpy(), **tol)
     for w, e in zip(weights, expected[1:]):
         np.testing.assert_allclose(out[f"{w}_grad"], e.numpy(), **tol)

@@ -12,16 +12,16 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import pytest
+from helpers import finite_differences, importorskip, session
 from onnx import TensorProto
 from onnx import numpy_helper as nh
 
-from helpers import finite_differences, importorskip, session
 import onnxopt
 
 torch = importorskip("torch")
 onnxscript = importorskip("onnxscript")
-from onnxscript import DOUBLE, FLOAT, script  # noqa: E402
-from onnxscript import opset18 as op  # noqa: E402
+from onnxscript import DOUBLE, FLOAT, script
+from onnxscript import opset18 as op
 
 D = TensorProto.DOUBLE
 

@@ -66,6 +66,10 @@ class Ctx(_Op):
         # (the caller keeps ``shared``), reused instead of written again: the finished step's
         # common-subexpression elimination and constant folding would merge or fold them, at a cost per node
         self._shared = {} if shared is None else shared
+        # NOTE: the outer values the node's subgraphs read that need a gradient, and the model's opsets (the
+        # engine sets them; the control-flow rules read them)
+        self.captures: list[ir.Value] = []
+        self.opsets: dict[str, int] = {}
 
     def _reuse(self, key, make: Callable[[], ir.Value]) -> ir.Value:
         value = self._shared.get(key)
@@ -193,9 +197,6 @@ class Ctx(_Op):
         full, out = self.static_dims(other), self.static_dims(self.O(i))
         known = full is not None and all(isinstance(d, int) or getattr(d, "value", None) is not None for d in full)
         return small if known and full == out else g
-
-    captures: list[ir.Value] = []  # NOTE: the outer values its subgraphs read that need a gradient (engine sets)
-    opsets: dict[str, int] = {}
 
     def need(self, i: int) -> bool:
         return i in self._need
