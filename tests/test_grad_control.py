@@ -429,3 +429,32 @@ def test_torchscript_loop_appending_to_a_list_matches_torch():
     expected = torch.autograd.grad(module(xx).sum(), [xx, module.lin.bias])
     for name, e in zip(["X", "lin.bias"], expected):
         np.testing.assert_allclose(out[f"{name}_grad"], e.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@script()
+def loop_in_if(X: DOUBLE[2, 3], W: DOUBLE[3, 3]) -> DOUBLE[2, 3]:
+    if op.ReduceSum(X) > 0.0:
+        h = X
+        for i in range(3):
+            h = op.Sin(op.MatMul(h, W)) + h
+    else:
+        h = op.Tanh(op.MatMul(X, W)) * X
+    return h
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["loop branch", "plain branch"])
+def test_loop_inside_if_matches_torch(sign):
+    m = loop_in_if.to_model_proto()
+    rng = np.random.default_rng(15)
+    X, W = np.abs(rng.normal(size=(2, 3))) * sign, rng.normal(size=(3, 3))
+    out = run(onnxopt.grad(m, ["X", "W"]), X=X, W=W)
+    tx, tw = torch.tensor(X, requires_grad=True), torch.tensor(W, requires_grad=True)
+    if tx.sum() > 0:
+        h = tx
+        for _ in range(3):
+            h = torch.sin(h @ tw) + h
+    else:
+        h = torch.tanh(tx @ tw) * tx
+    gx, gw = torch.autograd.grad(h.sum(), [tx, tw])
+    np.testing.assert_allclose(out["X_grad"], gx.numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(out["W_grad"], gw.numpy(), rtol=1e-12, atol=1e-14)
