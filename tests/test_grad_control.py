@@ -436,7 +436,7 @@ def loop_in_if(X: DOUBLE[2, 3], W: DOUBLE[3, 3]) -> DOUBLE[2, 3]:
     if op.ReduceSum(X) > 0.0:
         h = X
         for i in range(3):
-            h = op.Sin(op.MatMul(h, W)) + h
+            h = op.Sigmoid(op.MatMul(h, W)) + h
     else:
         h = op.Tanh(op.MatMul(X, W)) * X
     return h
@@ -452,7 +452,7 @@ def test_loop_inside_if_matches_torch(sign):
     if tx.sum() > 0:
         h = tx
         for _ in range(3):
-            h = torch.sin(h @ tw) + h
+            h = torch.sigmoid(h @ tw) + h
     else:
         h = torch.tanh(tx @ tw) * tx
     gx, gw = torch.autograd.grad(h.sum(), [tx, tw])
