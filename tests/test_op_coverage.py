@@ -22,6 +22,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from helpers import finite_differences
+import onnxopt
 from onnxopt.autodiff import load_rewrites, load_rules
 from onnxopt.autodiff.rewrite import REWRITES
 from onnxopt.errors import NotDifferentiableError
@@ -41,15 +42,15 @@ I64 = np.int64
 # from the schema, so these are the ops that take floats but have no gradient by nature).
 NATURE = {
     **{op: "random, no input" for op in ("RandomNormal", "RandomUniform")},
-    **{op: "control flow" for op in ("If", "Loop", "Scan")},
-    **{op: "sequence / optional" for op in ("ConcatFromSequence", "SequenceAt", "SequenceConstruct", "SequenceEmpty",
-                                            "SequenceErase", "SequenceInsert", "SequenceLength", "SequenceMap",
-                                            "SplitToSequence", "Optional", "OptionalGetElement",
-                                            "OptionalHasElement")},
+    **{op: "sequence / optional" for op in ("SequenceEmpty", "SequenceErase", "SequenceLength", "SequenceMap",
+                                            "Optional", "OptionalGetElement", "OptionalHasElement")},
     "QLinearMatMul": "quantized, no opset-21 CPU kernel",
     "Constant": "no input",
     "ImageDecoder": "encoded image input",
 }
+# Ops with subgraphs or sequences, whose rules are checked against torch and finite differences on whole models
+ELSEWHERE = {op: "onnxopt rule, checked in tests/test_grad_control.py" for op in (
+    "If", "Loop", "Scan", "ConcatFromSequence", "SequenceAt", "SequenceConstruct", "SequenceInsert", "SplitToSequence")}
 # NOTE: onnx's reference computes these in float32 (erf) or rounds their output to float32
 ROUNDED = {"Erf", "Gelu", "AffineGrid", "DynamicQuantizeLinear",
            "GridSample"}  # NOTE: onnx's reference GridSample differs from onnxruntime's on this grid
@@ -344,6 +345,86 @@ def measure(case: Case) -> str:
     return "onnxopt rewrite" if _rewritten(case) else "onnxopt rule"
 
 
+# Second order: ``grad`` of the op's first-order gradient graph (``onnxopt.grad``, seeded by a cotangent of its
+# first output), of s = Σ (x_grad · r) for random r, with respect to every float input and the seed, against central
+# differences of s. Ops whose first-order gradient graph has ops without a rule, with the reason:
+SECOND_ORDER_EXCEPTIONS = {
+    "Attention": "its rule recomputes Attention with its qk_matmul_output, which has no rule of its own",
+    "Det": "its rule writes com.microsoft's Inverse",
+    "DynamicQuantizeLinear": "its first output is an integer",
+}
+
+
+def _with_dot(first: onnx.ModelProto, floats: list[str], case: Case, rng) -> onnx.ModelProto:
+    """``first`` plus output s = Σ_i sum(x_i_grad · r_i), r_i random constants."""
+    m = onnx.ModelProto()
+    m.CopyFrom(first)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(case.dtype)
+    shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in first.graph.input}
+    for x in floats:
+        m.graph.initializer.append(numpy_helper.from_array(rng.normal(size=shapes[x]).astype(dtype), f"r_{x}"))
+        m.graph.node.extend([oh.make_node("Mul", [f"{x}_grad", f"r_{x}"], [f"m_{x}"]),
+                             oh.make_node("ReduceSum", [f"m_{x}"], [f"s_{x}"], keepdims=0)])
+    m.graph.node.append(oh.make_node("Sum", [f"s_{x}" for x in floats], ["s"]))
+    m.graph.output.append(oh.make_tensor_value_info("s", case.dtype, []))
+    return m
+
+
+def _second_order_models(case: Case):
+    """(feeds, the first-order model with s, its gradient) of ``case`` in the case's type."""
+    rng = np.random.default_rng(0)
+    float_np = np.float64 if case.dtype == TensorProto.DOUBLE else np.float32
+    feeds = {f"x{i}": _value(v, rng).astype(float_np) for i, v in enumerate(case.inputs) if isinstance(v, str)}
+    model = _model(case, feeds, False)
+    floats = list(feeds)
+    first = onnxopt.grad(model, floats, of="y0", seed=True)
+    try:
+        out = _session(model).run(["y0"], feeds)[0]
+    except Exception:  # noqa: BLE001 (no kernel in this type: the seed's shape from onnx's reference)
+        try:
+            out = _reference(case, feeds, False)(["y0"], feeds)[0]
+        except Exception as exc:  # NOTE: onnx's reference lacks the op
+            raise NoForwardKernel(str(exc)) from exc
+    feeds["y0_grad"] = rng.normal(size=out.shape).astype(float_np)
+    with_dot = _with_dot(first, floats, case, np.random.default_rng(1))
+    return feeds, with_dot, onnxopt.grad(with_dot, [*floats, "y0_grad"], of="s")
+
+
+def second_order(case: Case) -> str:
+    """The second-order status of an op whose first-order status is exact: "exact" (float64 central
+    differences of the first-order gradient agree; float32 ops: onnx's float64 reference runs the first-order
+    graph), or why not."""
+    try:
+        feeds, with_dot, second = _second_order_models(case)
+    except NotDifferentiableError as exc:
+        return "no rule: " + ", ".join(sorted({op for op, _ in exc.nodes}))
+    except NoForwardKernel:
+        return "not checked (neither onnxruntime nor onnx's reference runs the float64 op)"
+    except Exception as exc:  # noqa: BLE001 (the status names the failure)
+        return f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+    names = [o.name for o in second.graph.output][-len(feeds):]
+    try:
+        got = dict(zip(feeds, _session(second).run(names, feeds)))
+        run, rtol = _session(with_dot).run, 1e-5
+    except Exception:  # noqa: BLE001 (no float64 kernel: float32 gradients against the float64 reference)
+        from onnx.reference import ReferenceEvaluator
+
+        feeds32, _, second = _second_order_models(replace(case, dtype=TensorProto.FLOAT))
+        got = dict(zip(feeds32, _session(second).run(names, feeds32)))
+        try:
+            run, rtol = ReferenceEvaluator(with_dot).run, 1e-3
+            run(["s"], feeds)
+        except Exception:  # noqa: BLE001 (the reference lacks an op of the graph)
+            return "not checked (onnx's reference cannot run the float64 first-order graph)"
+    try:
+        fd = finite_differences(lambda p: float(run(["s"], p)[0]), feeds, list(feeds), 1e-5)
+        for name, expected in fd.items():
+            np.testing.assert_allclose(got[name], expected, rtol=rtol, atol=rtol)
+    except AssertionError as exc:
+        return f"fails: {str(exc).strip().splitlines()[0][:80]}"
+    return "exact"
+
+
 def _has_float_input(op: str) -> bool:
     schema = onnx.defs.get_schema(op, 21, "")
     floats = {"tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)"}
@@ -380,6 +461,8 @@ def table() -> dict[tuple[str, str], str]:
     for op in default_ops():
         if op in NATURE:
             out["", op] = f"not differentiable ({NATURE[op]})"
+        elif op in ELSEWHERE:
+            out["", op] = ELSEWHERE[op]
         elif ("", op) not in cases:
             assert not _has_float_input(op), f"{op} takes float inputs but has no case"
             out["", op] = "not differentiable (no float input)"
@@ -388,6 +471,17 @@ def table() -> dict[tuple[str, str], str]:
             print(case.op, end=" ", flush=True)
         out[key] = _newer(case, NEWER_OPSET[case.op] if case.opset > runtime_limits()[1] else measure(case))
     return dict(sorted(out.items(), key=lambda kv: (kv[0][0], kv[0][1])))
+
+
+def second_orders(statuses: dict[tuple[str, str], str]) -> dict[tuple[str, str], str]:
+    """(domain, op) -> second-order status of every default-domain op whose first order is exact."""
+    cases = {(case.domain, case.op): case for case in CASES}
+    out = {}
+    for key, status in statuses.items():
+        if key in cases and not key[0] and status.split(",")[0] in EXACT:
+            case = cases[key]
+            out[key] = "opset 23 (not measured here)" if case.opset > runtime_limits()[1] else second_order(case)
+    return out
 
 
 def family(domain: str, op: str, status: str) -> str:
@@ -403,16 +497,17 @@ def family(domain: str, op: str, status: str) -> str:
     return ""
 
 
-def render(statuses: dict[tuple[str, str], str]) -> str:
+def render(statuses: dict[tuple[str, str], str], second: dict[tuple[str, str], str]) -> str:
     lines = [row for (domain, op), status in statuses.items()
-             for row in [f"| {op} | {domain or 'ai.onnx'} | {status} | {family(domain, op, status)} |"]]
+             for row in [(f"| {op} | {domain or 'ai.onnx'} | {status} | {family(domain, op, status)} | "
+                          f"{second.get((domain, op), '')} |")]]
     counts: dict[str, int] = {}
     for status in statuses.values():
         counts[status] = counts.get(status, 0) + 1
     summary = [f"| {status} | {n} |" for status, n in sorted(counts.items())]
     kinds = [f"| {kind} | {n} |" for kind, n in kind_counts(statuses).items()]
     return "\n".join(["| kind | ops |", "|---|---|", *kinds, "", "| status | ops |", "|---|---|", *summary, "",
-                      "| op | domain | status | rule family |", "|---|---|---|---|", *lines])
+                      "| op | domain | status | rule family | second order |", "|---|---|---|---|---|", *lines])
 
 
 def kind_counts(statuses: dict[tuple[str, str], str]) -> dict[str, int]:
@@ -439,17 +534,22 @@ def statuses():
     return table()
 
 
+@pytest.fixture(scope="module")
+def seconds(statuses):
+    return second_orders(statuses)
+
+
 def documented_statuses() -> dict[str, str]:
     """op -> status, as docs/ops.md's table says."""
-    rows = [line.split("|") for line in documented().splitlines() if line.count("|") == 5]
+    rows = [line.split("|") for line in documented().splitlines() if line.count("|") == 6]
     return {r[1].strip(): r[3].strip() for r in rows[2:] if r[1].strip() != "op"}
 
 
-def test_docs_table_is_measured(statuses):
+def test_docs_table_is_measured(statuses, seconds):
     """The page is measured with the training build's onnxruntime (1.19.2); with another onnxruntime, whose
     kernels differ (a float64 kernel more, DeformConv), every op documented exact or zero stays so."""
     if TRAINING_BUILD:
-        assert render(statuses) == documented(), "docs/ops.md is stale: run python tests/test_op_coverage.py --write"
+        assert render(statuses, seconds) == documented(), "docs/ops.md is stale: run python tests/test_op_coverage.py --write"
         return
     measured = {op: status.split(",")[0] for (_, op), status in statuses.items()}
     for op, status in documented_statuses().items():
@@ -485,6 +585,17 @@ def test_every_rewrite_and_gradient_definition_has_a_case():
 
 RULED = [case for case in CASES if case.op not in ZERO and case.op not in NATURE and case.domain == ""
          and documented_statuses().get(case.op, "").split(",")[0] in EXACT]
+
+
+def test_gradient_graphs_differentiate_again(seconds):
+    """The walk of the rule table: for every op with an exact first-order gradient, that gradient graph's ops
+    all have rules (``grad`` applies to it) and its gradient equals central differences, unless the op is listed
+    in SECOND_ORDER_EXCEPTIONS with its reason."""
+    bad = {op: s for (_, op), s in seconds.items() if s != "exact" and not s.startswith("not checked")
+           and not s.startswith("opset 23") and op not in SECOND_ORDER_EXCEPTIONS}
+    assert not bad
+    listed = {op for (_, op), s in seconds.items() if s != "exact"}
+    assert set(SECOND_ORDER_EXCEPTIONS) - listed == set(), "an exception that no longer fails: drop it"
 
 
 @pytest.mark.parametrize("case", RULED, ids=lambda case: case.op)
@@ -535,7 +646,9 @@ def test_rules_match_the_builder(case):
 
 if __name__ == "__main__" and "--write" in sys.argv:
     text = DOCS.read_text()
-    DOCS.write_text(text[:text.index(BEGIN) + len(BEGIN)] + "\n" + render(table()) + "\n" + text[text.index(END):])
+    measured = table()
+    DOCS.write_text(text[:text.index(BEGIN) + len(BEGIN)] + "\n" + render(measured, second_orders(measured)) + "\n" +
+                    text[text.index(END):])
 elif __name__ == "__main__":
     VERBOSE = True
     for (domain, op), status in table().items():

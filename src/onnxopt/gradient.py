@@ -675,6 +675,8 @@ def split_models(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = ()
     builder's: forward (model inputs, weights -> outputs, then the forward values the backward reads) and
     backward (those values, model inputs, weights, output gradients -> ``<input>_grad``..., ``<weight>_grad``...).
     Returns (forward, backward, number of outputs, indices of the outputs without a gradient)."""
+    from onnxopt.autodiff.engine import _reads
+
     proto = ir.to_proto(build_gradient(m, weights, inputs, mode, gradient="onnxopt"))
     fwd, bwd = ir.from_proto(proto), ir.from_proto(proto)
 
@@ -686,7 +688,8 @@ def split_models(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = ()
     node, before, after = cut(fwd)
     outputs = list(node.inputs)
     produced = {o for n in before for o in n.outputs}
-    read = list(dict.fromkeys(v for n in after for v in n.inputs if v in produced))
+    # NOTE: with the outer values the backward's subgraphs read (control flow's gradients)
+    read = list(dict.fromkeys(v for n in after for v in _reads(n) if v in produced))
     for n in reversed([node, *after]):
         fwd.graph.remove(n, safe=False)
     fwd.graph.outputs.clear()

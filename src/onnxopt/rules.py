@@ -141,6 +141,10 @@ def lower_for_gradient(model: ir.Model, portable: bool = False, gradient: str = 
         graphs.infer_shapes(model)
     except Exception:  # NOTE: inference fails on some contrib ops; the rules then match less, nothing breaks
         pass
+    from onnxopt.autodiff.control import loop_lists_as_scan_outputs, retype_sequences
+
+    retype_sequences(model)
+    loop_lists_as_scan_outputs(model)
     decompose(model, unroll_recurrent=portable, gradient=gradient)
     rules.apply_to_model(model)
     _split_repeated_inputs(model.graph)

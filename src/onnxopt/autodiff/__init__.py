@@ -34,7 +34,7 @@ def load_rules() -> dict:
     """Imports every family module (each registers its rules) once; returns ``RULES``."""
     if not _loaded["rules"]:
         from onnxopt.autodiff import conv, elementwise, linalg, norm, recurrent, reduce, shape, templates  # noqa: F401
-        from onnxopt.autodiff import transformer  # noqa: F401
+        from onnxopt.autodiff import control, transformer  # noqa: F401
 
         load_rewrites()  # NOTE: the gradient definitions templates.register runs as rules
         templates.register()

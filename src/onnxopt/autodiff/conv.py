@@ -33,6 +33,21 @@ def _conv(c):
     return [dx, dw, db]
 
 
+@rule("ConvTranspose", family=F)
+def _conv_transpose(c):
+    """dX = Conv(dY, W) (ConvTranspose is the adjoint of that Conv), dB = dY summed but over channels: the
+    ConvTransposes the rules write (pooling, strided Conv) whose static shapes the rewrite needs are unknown."""
+    if c.need(1):
+        raise ValueError("the gradient of ConvTranspose's weight has no rule (only static shapes are rewritten)")
+    if "output_shape" in c.node.attributes or c.attr("auto_pad", "NOTSET") != "NOTSET":
+        raise ValueError("ConvTranspose with output_shape or auto_pad has no rule")
+    dy = c.go(0)
+    dx = c.Conv(dy, c.I(1), **c.attrs("strides", "pads", "dilations", "group")) if c.need(0) else None
+    r = c.rank(dy)
+    db = c.ReduceSum(dy, c.ints([0, *range(2, r)]), keepdims=0) if c.need(2) else None
+    return [dx, None, db]
+
+
 @rule("MaxPool", family=F, inputs=(0,))
 def _max_pool(c):
     """dX = dY scatter-added at the positions MaxPool took (its Indices output, added when missing)."""

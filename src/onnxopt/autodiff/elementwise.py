@@ -111,6 +111,12 @@ def _cast(c):
     return [c.Cast(c.go(0), to=c.dtype(c.I(0)))]
 
 
+@rule("CastLike", family=F, inputs=(0,))
+def _cast_like(c):
+    """dx = dy cast back to x's type; ``like`` gives only a type (the rules write CastLike of constants)."""
+    return [c.CastLike(c.go(0), c.I(0))]
+
+
 @rule("Add", "Sub", family=F)
 def _add_sub(c):
     """da = dy, db = ±dy, each summed over its broadcast axes."""

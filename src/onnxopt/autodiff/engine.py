@@ -66,6 +66,10 @@ class Ctx(_Op):
         # (the caller keeps ``shared``), reused instead of written again: the finished step's
         # common-subexpression elimination and constant folding would merge or fold them, at a cost per node
         self._shared = {} if shared is None else shared
+        # NOTE: the outer values the node's subgraphs read that need a gradient, and the model's opsets (the
+        # engine sets them; the control-flow rules read them)
+        self.captures: list[ir.Value] = []
+        self.opsets: dict[str, int] = {}
 
     def _reuse(self, key, make: Callable[[], ir.Value]) -> ir.Value:
         value = self._shared.get(key)
@@ -301,6 +305,13 @@ def _sum(tape_op: _Op, parts: list[ir.Value]) -> ir.Value:
     when another part has the full shape: Add and Sum broadcast it without writing the copy."""
     if len(parts) == 1:
         return parts[0]
+    if isinstance(parts[0].type, ir.SequenceType):  # NOTE: a sequence read several times (SequenceAt)
+        from onnxopt.autodiff.control import sequence_add
+
+        total = parts[0]
+        for p in parts[1:]:
+            total = sequence_add(tape_op.tape, total, p)
+        return total
     parts = _merge_scatters(tape_op, parts)
     if len(parts) == 1:
         return parts[0]
@@ -488,9 +499,13 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
         r = _rule_of(node)
         if r.inputs is not None:
             need &= set(r.inputs)
-        if not need:
+        # NOTE: the outer values a subgraph reads (If, Loop, Scan): their gradients follow the inputs'
+        inner = _reads(node)[sum(v is not None for v in node.inputs):]
+        captures = [v for v in dict.fromkeys(inner) if v in active]
+        if not need and not captures:
             continue
         ctx = Ctx(node, outs, need, dims, types, shared)
+        ctx.captures, ctx.opsets = captures, dict(m.opset_imports)
         try:
             gis = r.fn(ctx)
         except (ModelError, NotDifferentiableError):
@@ -500,11 +515,12 @@ def differentiate(m: ir.Model, weights: Sequence[str], inputs: Sequence[str] = (
                              f"{[v.name if v is not None else '' for v in node.inputs]}): {exc}") from exc
         gis = [gis] if isinstance(gis, ir.Value) else list(gis)
         backward += ctx.tape.nodes
-        for i in sorted(need):
+        targets = [*node.inputs, *captures]
+        for i in [*sorted(need), *range(len(node.inputs), len(targets))]:
             gi = gis[i] if i < len(gis) else None
             if gi is None:
                 continue
-            x = node.inputs[i]
+            x = targets[i]
             if gi.type is None:
                 gi.type = x.type
             if gi.shape is None and x.shape is not None:

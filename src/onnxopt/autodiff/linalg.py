@@ -5,6 +5,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnxopt.autodiff.engine import rule
+from onnxopt.passes.lower import _unbroadcast
 
 F = "matmul/gemm"
 
@@ -83,6 +84,38 @@ def _gemm(c):
         g = dy if beta == 1.0 else c.Mul(dy, c.const(beta, dy))
         dc = c.unbroadcast(g, 2)
     return [da, db, dc]
+
+
+@rule("Einsum", family=F)
+def _einsum_rule(c):
+    """dA_k = Einsum(dY, the other operands; "C,B...->A_k"): the equations the rules write (batched products
+    with "...", no repeated letter in an operand, every letter of A_k in C or another operand); operands
+    broadcast along "..." get the sum over the broadcast axes."""
+    terms, output = _einsum_terms(c.node)
+    dy = c.go(0)
+    batch = [_batch_dims(c, x, t) for x, t in zip(c.node.inputs, terms)]
+    same = all(b is not None and b == batch[0] for b in batch)
+    grads = []
+    for k, (x, term) in enumerate(zip(c.node.inputs, terms)):
+        others = [t for j, t in enumerate(terms) if j != k]
+        if not c.need(k):
+            grads.append(None)
+            continue
+        letters = term.replace(".", "")
+        if len(set(letters)) != len(letters) or any(ch not in output + "".join(others) for ch in letters):
+            raise ValueError(f"Einsum equation {c.attr('equation')!r}: operand {k} has a letter no other term "
+                             "has, or a repeated letter (expected batched products)")
+        eq = ",".join([output, *others]) + "->" + term
+        g = c.Einsum(dy, *(v for j, v in enumerate(c.node.inputs) if j != k), equation=eq)
+        grads.append(g if "..." not in term or same else _unbroadcast(c, g, x))
+    return grads
+
+
+def _batch_dims(c, x, term: str):
+    dims = c.static_dims(x)
+    if dims is None or "..." not in term:
+        return () if dims is not None else None
+    return tuple(dims[:len(dims) - len(term.replace(".", ""))])
 
 
 # ==== rewrites ===========================================================================================

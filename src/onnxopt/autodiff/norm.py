@@ -81,7 +81,11 @@ def _softmax_cross_entropy(c):
         total = c.ReduceSum(w, keepdims=0) if w is not None else c.CastLike(c.Size(labels), scores)
         g = c.Expand(c.Div(dy, total), c.Shape(labels))
     g = c.Mul(g, w) if w is not None else g
-    return [c.Mul(c.Sub(c.Exp(log_prob), onehot), c.Unsqueeze(g, c.ints([1])))]
+    dx = c.Mul(c.Sub(c.Exp(log_prob), onehot), c.Unsqueeze(g, c.ints([1])))
+    if c.GO(1) is not None:  # NOTE: log_prob read by a gradient graph (this rule's): log_softmax's rule on axis 1
+        dlp = c.GO(1)
+        dx = c.Add(dx, c.Sub(dlp, c.Mul(c.Exp(log_prob), c.ReduceSum(dlp, c.ints([1]), keepdims=1))))
+    return [dx]
 
 
 # ==== rewrites ===========================================================================================

@@ -185,15 +185,18 @@ def _topk(c):
 
 @rule("ScatterND", "ScatterElements", family=F, inputs=(0, 2))
 def _scatter(c):
-    """d data = dy with the written positions zeroed; d updates = dy gathered there (no reduction)."""
-    if c.attr("reduction", "none") not in ("none", None):
+    """d data = dy with the written positions zeroed (reduction "add": dy); d updates = dy gathered there
+    (the gradients of the rules of Gather, GatherND, GatherElements, TopK, MaxPool are such scatters)."""
+    add = c.attr("reduction", "none") == "add"
+    if c.attr("reduction", "none") not in ("none", "add", None):
         raise ValueError(f"{c.node.op_type} node {c.node.name!r}: reduction {c.attr('reduction')!r} has no rule")
     dy, idx = c.go(0), c.I(1)
     nd = c.node.op_type == "ScatterND"
     axis = {} if nd else {"axis": c.attr("axis", 0)}
     scatter = c.ScatterND if nd else c.ScatterElements
     gather = c.GatherND if nd else c.GatherElements
-    d_data = scatter(dy, idx, c.Expand(c.const(0.0, dy), c.Shape(c.I(2))), **axis) if c.need(0) else None
+    d_data = None if not c.need(0) else dy if add else \
+        scatter(dy, idx, c.Expand(c.const(0.0, dy), c.Shape(c.I(2))), **axis)
     d_updates = gather(dy, idx, **axis) if c.need(2) else None
     return [d_data, None, d_updates]
 
