@@ -303,6 +303,39 @@ def test_duplicate_names_unknown_opsets_and_domains_are_refused_by_name():
         onnxopt.compile_train_step(model)
 
 
+def _cyclic() -> onnx.ModelProto:
+    """mlp([4, 8, 1]) whose second node reads a value computed from the graph's output: a cycle of 5 nodes."""
+    model = mlp([4, 8, 1])
+    first, last = model.graph.node[0], model.graph.node[-1]
+    model.graph.node.append(oh.make_node("Add", [last.output[0], first.output[0]], ["back"], name="loop_add"))
+    model.graph.node[1].input[0] = "back"
+    return model
+
+
+def _twice(kind: str) -> onnx.ModelProto:
+    """mlp([4, 8, 1]) declaring its first graph input or output a second time, with another shape."""
+    model = mlp([4, 8, 1])
+    values = getattr(model.graph, kind)
+    values.append(values[0])
+    values[-1].type.tensor_type.shape.dim[1].dim_value = 3
+    return model
+
+
+def test_cycles_and_twice_declared_inputs_and_outputs_are_refused_by_name(files, capsys):
+    cases = [(_cyclic(), r"graph 'mlp' has a cycle: node '[^']+' \(\w+\) depends on its own output through 5 node\(s\) "
+                         r"\(.*node 'loop_add' \(Add\)"),
+             (_twice("output"), r"graph 'mlp' declares output 'Y' 2 times; expected each output name once"),
+             (_twice("input"), r"graph 'mlp' declares input 'X' 2 times; expected each input name once")]
+    for model, match in cases:
+        with pytest.raises(ModelFormatError, match=match):
+            onnxopt.compile_train_step(model)
+        onnx.save(model, "hostile.onnx")
+        assert main(["fit", "hostile.onnx", "data.csv", "--target", "y", "--epochs", "1", "--quiet",
+                     "-o", "out.onnx"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and re.search(match, err), err
+
+
 # -- threads ---------------------------------------------------------------------------------------------------
 def test_runner_shared_by_threads_loses_no_step(step):
     shared, alone = onnxopt.Runner(step), onnxopt.Runner(step)
