@@ -22,7 +22,18 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
-from sklearn.base import BaseEstimator
+
+try:
+    from sklearn.base import BaseEstimator
+except ImportError as _exc:  # NOTE: scikit-learn is an extra: the rest of onnxopt.compat works without it
+    _MISSING = _exc
+
+    class BaseEstimator:  # type: ignore[no-redef]
+        """Stands in for scikit-learn's base class: constructing an estimator says which extra installs it."""
+
+        def __new__(cls, *args, **kwargs):
+            raise ImportError(f"{cls.__name__} needs scikit-learn ({_MISSING}); install it: pip install -e "
+                              "'.[sklearn]' in the repository")
 
 from onnxopt import atomic
 from onnxopt.compat._learning import LearningRateSGD, select_loss, select_penalty, select_rate
