@@ -34,6 +34,7 @@ from onnxopt.passes.fuse_update import fuse_update
 from onnxopt.passes.kernels import optimizer_kernels
 from onnxopt.passes.products import transposes_into_products
 from onnxopt.passes.update import is_elementwise, multi_tensor, name_packs
+from onnxopt.passes.unread import RemoveUnreadInitializersPass
 from onnxopt.rules import widen_float_constants
 from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
 from onnxopt.step import GRAD, NEW, STEP, TrainStep
@@ -351,6 +352,7 @@ def compile_train_step(
     if portable:
         crops_as_slices(fused)
         check_portable(fused)
+    RemoveUnreadInitializersPass()(fused)  # NOTE: what the rewrites above left; ORT 1.32 warns about each
     data_inputs = [v.name for v in m.graph.inputs if v.name not in m.graph.initializers]
     if external_grad:
         target_name = sw_name = None
