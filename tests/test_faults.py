@@ -171,6 +171,34 @@ def test_kill_9_during_a_write_keeps_the_old_file_and_the_next_write_cleans_up(t
     assert checkpoint.load_arrays(path)[1] == {"new": True}
 
 
+def _killed_write(path) -> None:
+    """Leaves the temporary file of a write to ``path`` killed with SIGKILL before its rename."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen([sys.executable, "-c", KILLED, str(path)], stdout=subprocess.PIPE, env=env)
+    try:
+        assert child.stdout.readline() == b"fsync\n"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+
+def test_resuming_removes_the_temp_files_of_killed_checkpoint_writes(files, capsys):
+    """A resumed run may write nothing (nothing left to train, a refused resume): it cleans up all the same."""
+    ckpt = files / "ckpt"
+    fit = ["fit", "model.onnx", "data.csv", "--target", "y", "--epochs", "2", "--quiet", "--checkpoint", "ckpt",
+           "-o", "out.onnx"]
+    assert main(fit) == 0
+    _killed_write(ckpt / "trainer.ckpt")
+    (ckpt / ".notes.tmp").write_text("not onnxopt's: kept")
+    assert len(_temps(ckpt)) == 2
+    assert main(fit) == 2 and "already holds 2 epochs" in capsys.readouterr().err
+    assert _temps(ckpt) == [".notes.tmp"]
+    _killed_write(ckpt / "trainer.ckpt")
+    est = onnxopt.Trainer(mlp([4, 8, 1]), max_iter=2, checkpoint_dir=str(ckpt))
+    est.fit(X, Y)
+    assert est.n_iter_ == 2 and _temps(ckpt) == [".notes.tmp"]
+
+
 def test_temp_file_of_a_live_writer_is_kept(tmp_path):
     path = tmp_path / "c.ckpt"
     (tmp_path / ".c.ckpt.dead.tmp").write_bytes(b"left by a killed write")

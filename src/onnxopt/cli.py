@@ -357,6 +357,8 @@ def _checkpoint_epochs(folder: str | None) -> int | None:
     from onnxopt.checkpoint import load_arrays
 
     path = os.path.join(folder, "trainer.ckpt") if folder else None
+    if folder:  # NOTE: as the Trainer's resume does: a refused resume trains (and writes) nothing
+        atomic.remove_stale(folder)
     return load_arrays(path)[1].get("n_iter") if path and os.path.isfile(path) else None
 
 

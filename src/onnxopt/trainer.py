@@ -21,7 +21,7 @@ import onnxruntime as ort
 from tqdm.auto import tqdm
 
 from onnxopt import distributed, stream
-from onnxopt.atomic import check_writable
+from onnxopt.atomic import check_writable, remove_stale
 from onnxopt.data import check_batch_size, check_feature_shape, check_features, check_sample_weight, check_target
 from onnxopt.dsl import losses
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError, ModelError
@@ -504,6 +504,8 @@ class Trainer:
 
     def _resume(self) -> None:
         path = None if self.checkpoint_dir is None else os.path.join(self.checkpoint_dir, _CHECKPOINT)
+        if path is not None:  # NOTE: writes killed mid-way; the next one may never come (nothing left to train)
+            remove_stale(self.checkpoint_dir)
         if path is None or not os.path.exists(path):
             return
         meta = self.runner_.load_checkpoint(path, kind=_KIND)
