@@ -43,7 +43,8 @@ def _git_status() -> set[str] | None:
 def pytest_sessionstart(session):
     if os.environ.get("CI") == "true" and sys.version_info < (3, 13) and not TRAINING_BUILD:
         pytest.exit("CI: below Python 3.13 the suite runs on onnxruntime-training, found stock onnxruntime", 2)
-    session.config._status_before = _git_status()
+    if getattr(session.config, "workerinput", None) is None:  # NOTE: xdist: the controller alone compares
+        session.config._status_before = _git_status()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -56,6 +57,18 @@ def pytest_sessionfinish(session, exitstatus):
     if new:
         print(f"\nthe test suite changed the checkout ({len(new)} entries of git status): {new[:10]}")
         session.exitstatus = 1
+
+
+# -- long suites: marked here, deselected by pyproject's addopts, run by `pytest -m long` (.ci/run) --------------
+LONG = ("tests/zoo/", "tests/upstream_onnxcustom/", "tests/test_distributed.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # NOTE: before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.path.relative_to(_ROOT).as_posix() if item.path.is_relative_to(_ROOT) else ""
+        if path.startswith(LONG):
+            item.add_marker(pytest.mark.long)
 
 
 # NOTE: scripts other processes run (one rank, the 3.13 environment's side): not test modules to import
