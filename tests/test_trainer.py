@@ -29,7 +29,7 @@ def data(rng):
 
 
 def _trainer(**kw):
-    params = {"learning_rate": 0.05, "batch_size": 8, "max_iter": 3, "tol": None, "update": "sgd", "scale": False,
+    params = {"learning_rate": 0.05, "batch_size": 8, "max_iter": 3, "tol": None, "update": "sgd", "scale": "never",
               "n_iter_no_change": 5, **kw}  # NOTE: the defaults before issue 28, which these tests were written for
     return onnxopt.Trainer(params.pop("model", None) or mlp([4, 8, 1]), **params)
 
