@@ -13,6 +13,7 @@ Each refusal is a ``ModelFormatError`` (``ModelVersionError`` for opsets) naming
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import os
@@ -90,10 +91,10 @@ def _check_names(graph, name: str) -> None:
     input and output declared once."""
     inputs = [i if isinstance(i, str) else i.name for i in graph.input]
     for kind, names in [("input", inputs), ("output", [o if isinstance(o, str) else o.name for o in graph.output])]:
-        twice = sorted({n for n in names if names.count(n) > 1})
+        twice = sorted((n, c) for n, c in collections.Counter(names).items() if c > 1)
         if twice:
-            raise ModelFormatError(f"{name}: graph {graph.name!r} declares {kind} {twice[0]!r} {names.count(twice[0])} "
-                                   f"times; expected each {kind} name once")
+            raise ModelFormatError(f"{name}: graph {graph.name!r} declares {kind} {twice[0][0]!r} {twice[0][1]} times; "
+                                   f"expected each {kind} name once")
     defined = [(n, "an input") for n in inputs]
     defined += [(t.name, "an initializer") for t in getattr(graph, "initializer", []) if t.name not in inputs]
     defined += [(o, f"node {node.name!r} ({node.op_type})") for node in graph.node for o in node.output if o]
