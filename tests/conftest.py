@@ -15,6 +15,17 @@ TRAINING_BUILD = has_training_build()
 needs_training_build = pytest.mark.skipif(not TRAINING_BUILD, reason="needs onnxruntime-training (Python <= 3.12)")
 
 
+def pytest_addoption(parser):
+    """Without pytest-xdist (a test extra), pyproject's ``-n auto --dist worksteal`` are accepted and ignored: the
+    suite then runs in one process, as before, instead of failing on an unknown option."""
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        group = parser.getgroup("xdist", "pytest-xdist is not installed: these options are ignored")
+        group._addoption("-n", dest="numprocesses", default=None, help="ignored (pip install pytest-xdist)")
+        group.addoption("--dist", dest="dist", default="no", help="ignored (pip install pytest-xdist)")
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
