@@ -70,8 +70,8 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
-# -- long suites: marked here, deselected by pyproject's addopts, run by `pytest -m long` (.ci/run) --------------
-# NOTE: test ids (paths from the root) starting with one of these; the bench runs and the two-rank fits took 4.5
+# -- long suites: marked here, deselected by pyproject's addopts, run by `pytest -m "long and not slow"` (.ci/run)
+# NOTE: test ids (paths from the root) starting with one of these; the bench runs and the two-rank fits took 4
 # of the default run's 18 minutes (serial, shared machine; --durations)
 LONG = ("tests/zoo/", "tests/upstream_onnxcustom/", "tests/test_distributed.py", "tests/test_bench.py",
         "tests/test_cli_parquet.py::test_two_workers_")
