@@ -357,3 +357,31 @@ def test_csv_features_and_target_errors_are_one_line(files, capsys, argv, messag
     assert main(["fit", "model.onnx", argv[0], "--target", "price", "-o", "t.onnx", *argv[1:]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+def test_fit_options_are_the_trainers_names_and_values(files, monkeypatch):
+    """Each Trainer parameter is the option --name (dashes for underscores); the short names stay as aliases."""
+    import functools
+    import warnings
+
+    seen, init = [], onnxopt.Trainer.__init__
+
+    @functools.wraps(init)
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append({k: v for k, v in self.get_params().items() if k not in ("model", "verbose")})
+
+    monkeypatch.setattr(onnxopt.Trainer, "__init__", recording)
+    base = ["fit", "model.onnx", "data.npz", "--quiet"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # NOTE: the CLI passes no deprecated value
+        assert main([*base, "--max-iter", "2", "--random-state", "3", "--learning-rate", "0.02", "--n-iter-no-change",
+                     "4", "--tol", "none", "--scale", "never", "--checkpoint-dir", "ck", "-o", "a.onnx"]) == 0
+        assert main([*base, "--epochs", "2", "--seed", "3", "--lr", "0.02", "--n-iter-no-change", "4", "--tol", "none",
+                     "--scale", "never", "--checkpoint", "ck2", "-o", "b.onnx"]) == 0
+    long, short = seen
+    assert {k: long[k] for k in ("max_iter", "random_state", "n_iter_no_change", "tol", "scale")} == \
+        {"max_iter": 2, "random_state": 3, "n_iter_no_change": 4, "tol": None, "scale": "never"}
+    assert long["checkpoint_dir"] == "ck" and short.pop("checkpoint_dir") == "ck2"
+    long.pop("checkpoint_dir")
+    assert repr(long) == repr(short)

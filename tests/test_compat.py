@@ -562,3 +562,30 @@ def test_enable_logging_reports_each_epoch_on_the_onnxcustom_logger(caplog):
     with caplog.at_level(logging.DEBUG, logger="onnxcustom"):
         OrtGradientForwardBackwardOptimizer(linear_regression(2), max_iter=3, enable_logging=True).fit(X, y)
     assert sum("_iteration] epoch" in r.getMessage() for r in caplog.records) == 3
+
+
+NO_SKLEARN = """
+import sys
+sys.modules["sklearn"] = None  # NOTE: as if scikit-learn were not installed: any import of it raises ImportError
+import onnxopt.compat
+from onnxopt.compat import OrtGradientOptimizer, get_train_initializer, onnx_derivative, LearningRateSGD
+from onnxopt.examples import linear_regression
+assert sorted(get_train_initializer(linear_regression(2))) == ["bias", "coef"]
+assert not [m for m, v in sys.modules.items() if v is not None and m.split(".")[0] in ("sklearn", "skl2onnx")], "imported scikit-learn"
+try:
+    OrtGradientOptimizer(linear_regression(2))
+except ImportError as exc:
+    print(exc)
+"""
+
+
+def test_compat_imports_without_scikit_learn_and_names_the_extra_that_installs_it():
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", NO_SKLEARN], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode == 0, run.stderr
+    assert "OrtGradientOptimizer needs scikit-learn" in run.stdout and "pip install -e '.[sklearn]'" in run.stdout, \
+        run.stdout

@@ -171,6 +171,34 @@ def test_kill_9_during_a_write_keeps_the_old_file_and_the_next_write_cleans_up(t
     assert checkpoint.load_arrays(path)[1] == {"new": True}
 
 
+def _killed_write(path) -> None:
+    """Leaves the temporary file of a write to ``path`` killed with SIGKILL before its rename."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen([sys.executable, "-c", KILLED, str(path)], stdout=subprocess.PIPE, env=env)
+    try:
+        assert child.stdout.readline() == b"fsync\n"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+
+def test_resuming_removes_the_temp_files_of_killed_checkpoint_writes(files, capsys):
+    """A resumed run may write nothing (nothing left to train, a refused resume): it cleans up all the same."""
+    ckpt = files / "ckpt"
+    fit = ["fit", "model.onnx", "data.csv", "--target", "y", "--epochs", "2", "--quiet", "--checkpoint", "ckpt",
+           "-o", "out.onnx"]
+    assert main(fit) == 0
+    _killed_write(ckpt / "trainer.ckpt")
+    (ckpt / ".notes.tmp").write_text("not onnxopt's: kept")
+    assert len(_temps(ckpt)) == 2
+    assert main(fit) == 2 and "already holds 2 epochs" in capsys.readouterr().err
+    assert _temps(ckpt) == [".notes.tmp"]
+    _killed_write(ckpt / "trainer.ckpt")
+    est = onnxopt.Trainer(mlp([4, 8, 1]), max_iter=2, checkpoint_dir=str(ckpt))
+    est.fit(X, Y)
+    assert est.n_iter_ == 2 and _temps(ckpt) == [".notes.tmp"]
+
+
 def test_temp_file_of_a_live_writer_is_kept(tmp_path):
     path = tmp_path / "c.ckpt"
     (tmp_path / ".c.ckpt.dead.tmp").write_bytes(b"left by a killed write")
@@ -301,6 +329,39 @@ def test_duplicate_names_unknown_opsets_and_domains_are_refused_by_name():
     with pytest.raises(ModelVersionError, match=rf"node '{last.name}' \({last.op_type}\) is in domain 'com.microsoft', "
                                                 r"which the model does not import"):
         onnxopt.compile_train_step(model)
+
+
+def _cyclic() -> onnx.ModelProto:
+    """mlp([4, 8, 1]) whose second node reads a value computed from the graph's output: a cycle of 5 nodes."""
+    model = mlp([4, 8, 1])
+    first, last = model.graph.node[0], model.graph.node[-1]
+    model.graph.node.append(oh.make_node("Add", [last.output[0], first.output[0]], ["back"], name="loop_add"))
+    model.graph.node[1].input[0] = "back"
+    return model
+
+
+def _twice(kind: str) -> onnx.ModelProto:
+    """mlp([4, 8, 1]) declaring its first graph input or output a second time, with another shape."""
+    model = mlp([4, 8, 1])
+    values = getattr(model.graph, kind)
+    values.append(values[0])
+    values[-1].type.tensor_type.shape.dim[1].dim_value = 3
+    return model
+
+
+def test_cycles_and_twice_declared_inputs_and_outputs_are_refused_by_name(files, capsys):
+    cases = [(_cyclic(), r"graph 'mlp' has a cycle: node '[^']+' \(\w+\) depends on its own output through 5 node\(s\) "
+                         r"\(.*node 'loop_add' \(Add\)"),
+             (_twice("output"), r"graph 'mlp' declares output 'Y' 2 times; expected each output name once"),
+             (_twice("input"), r"graph 'mlp' declares input 'X' 2 times; expected each input name once")]
+    for model, match in cases:
+        with pytest.raises(ModelFormatError, match=match):
+            onnxopt.compile_train_step(model)
+        onnx.save(model, "hostile.onnx")
+        assert main(["fit", "hostile.onnx", "data.csv", "--target", "y", "--epochs", "1", "--quiet",
+                     "-o", "out.onnx"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and re.search(match, err), err
 
 
 # -- threads ---------------------------------------------------------------------------------------------------

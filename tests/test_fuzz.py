@@ -285,7 +285,7 @@ def test_trainer_fit_gives_finite_numpy_weights_or_an_onnxopt_error(data):
     max_iter, shuffle = data.draw(st.integers(1, 2)), data.draw(st.booleans())
     w0 = {k: v.astype(dtype).astype(np.float64) for k, v in _weights(data.draw).items()}
     est = onnxopt.Trainer(_model(dtype, w0), learning_rate=LR, batch_size=batch_size, max_iter=max_iter,
-                          shuffle=shuffle, tol=None, update="sgd", scale=False)  # NOTE: the reference is plain SGD
+                          shuffle=shuffle, tol=None, update="sgd", scale="never")  # NOTE: the reference is plain SGD
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -367,7 +367,7 @@ def test_finite_loss_whose_update_overflows_is_a_convergence_error():
         runner.check_weights()
     assert _same_weights(runner.get_weights(), kept)
     est = onnxopt.Trainer(_model(np.float64, zeros), learning_rate=LR, batch_size=1, max_iter=1, update="sgd",
-                          scale=False)
+                          scale="never")
     with pytest.raises(ConvergenceError, match=r"^epoch 1, batch 1: weights: \['coef'\]"):
         est.fit(X, y)
     assert _same_weights(est.runner_.get_weights(), zeros)  # NOTE: fit used to return the infinite weights
@@ -375,7 +375,7 @@ def test_finite_loss_whose_update_overflows_is_a_convergence_error():
 
 def test_epoch_loss_close_to_the_float_limit_does_not_overflow():
     est = onnxopt.Trainer(_model(np.float64, {"coef": np.zeros((N_FEATURES, 1)), "bias": np.array([1e154])}),
-                          learning_rate=LR, batch_size=1, max_iter=1, shuffle=False, update="sgd", scale=False)
+                          learning_rate=LR, batch_size=1, max_iter=1, shuffle=False, update="sgd", scale="never")
     est.fit(np.zeros((2, N_FEATURES)), np.zeros(2))  # NOTE: batch losses 1e308 and 0.81e308: their sum is inf
     np.testing.assert_allclose(est.train_losses_, [(1 + 0.81) / 2 * 1e308], rtol=1e-12)
 

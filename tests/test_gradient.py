@@ -346,3 +346,33 @@ def test_gradient_sources_train_the_same_and_bad_names_are_refused(rng, tmp_path
     onnx.save(model, tmp_path / "m.onnx")
     assert main(["compile", str(tmp_path / "m.onnx"), "--gradient", "onnxopt", "-o", str(tmp_path / "s.onnx")]) == 0
     assert {n.domain for n in onnx.load(tmp_path / "s.onnx").graph.node} <= {"", "ai.onnx"} or has_training_build()
+
+
+def _dims(value: onnx.ValueInfoProto) -> list:
+    return [d.dim_value or None for d in value.type.tensor_type.shape.dim]
+
+
+@pytest.mark.parametrize("source", ["onnxopt", "builder"])
+def test_gradient_inputs_and_outputs_declare_every_static_dim_of_the_model(rng, source):
+    """onnxcustom's test_grad_helper fed ``Y_grad`` a random input of its declared shape, 1 for a free dim."""
+    if source == "builder" and not onnxopt.gradient.has_training_build():
+        pytest.skip("needs onnxruntime-training (Python <= 3.12)")
+    add = oh.make_model(oh.make_graph(  # NOTE: skl2onnx's OnnxAdd('X', [1.0]) of test_grad_helper
+        [oh.make_node("Add", ["X", "one"], ["Y"])], "add",
+        [oh.make_tensor_value_info("X", TensorProto.FLOAT, [None, 10])],
+        [oh.make_tensor_value_info("Y", TensorProto.FLOAT, [None, 10])],
+        [numpy_helper.from_array(np.ones(1, np.float32), "one")]), opset_imports=[oh.make_opsetid("", 18)])
+    for model in [add, mlp([3, 4, 2], activation="Tanh", seed=4)]:
+        declared = {v.name: _dims(v) for v in [*model.graph.input, *model.graph.output]}
+        declared.update({t.name: list(t.dims) for t in model.graph.initializer})
+        grad = onnxopt.gradient_model(model, inputs=["X"], keep_outputs=True, gradient=source)
+        for value in [*grad.graph.input, *grad.graph.output]:
+            want = declared[value.name.removesuffix("_grad")]
+            got = _dims(value)
+            assert len(got) == len(want) and all(w is None or g == w for g, w in zip(got, want)), \
+                (model.graph.name, value.name, got, want)
+        feeds = {v.name: rng.normal(size=[d or 1 for d in _dims(v)]).astype(np.float32) for v in grad.graph.input}
+        feeds["X"] = rng.normal(size=[7, *_dims(grad.graph.input[0])[1:]]).astype(np.float32)
+        feeds[f"{model.graph.output[0].name}_grad"] = rng.normal(size=[7, *_dims(model.graph.output[0])[1:]]
+                                                                  ).astype(np.float32)
+        _run_gradient(grad, feeds)

@@ -29,7 +29,7 @@ def data(rng):
 
 
 def _trainer(**kw):
-    params = {"learning_rate": 0.05, "batch_size": 8, "max_iter": 3, "tol": None, "update": "sgd", "scale": False,
+    params = {"learning_rate": 0.05, "batch_size": 8, "max_iter": 3, "tol": None, "update": "sgd", "scale": "never",
               "n_iter_no_change": 5, **kw}  # NOTE: the defaults before issue 28, which these tests were written for
     return onnxopt.Trainer(params.pop("model", None) or mlp([4, 8, 1]), **params)
 
@@ -60,7 +60,7 @@ def test_get_set_params_clone_and_repr(data):
     with pytest.raises(ValueError, match="unknown parameter 'learning_rat'"):
         est.set_params(learning_rat=0.1)
     assert repr(est) == ("Trainer(update='nesterov:momentum=0.9', learning_rate=0.1, batch_size=8, max_iter=2, "
-                         "n_iter_no_change=5, tol=None, scale=False)")
+                         "n_iter_no_change=5, tol=None, scale='never')")
     assert repr(onnxopt.Trainer(mlp([4, 1]))) == "Trainer()"
     est.fit(X, y)
     check_is_fitted(est)
@@ -477,12 +477,26 @@ def test_a_batch_of_zero_sample_weight_is_skipped():
     rng = np.random.default_rng(3)
     X, y = rng.normal(size=(4, 2)), rng.normal(size=4)
     est = onnxopt.Trainer(linear_regression(2, dtype=np.float64), batch_size=2, max_iter=1, shuffle=False, tol=None,
-                          scale=False)  # NOTE: the statistics of X and X[2:] differ
+                          scale="never")  # NOTE: the statistics of X and X[2:] differ
     est.fit(X, y, sample_weight=[0.0, 0.0, 1.0, 1.0])
     ref = onnxopt.Trainer(linear_regression(2, dtype=np.float64), batch_size=2, max_iter=1, shuffle=False, tol=None,
-                          scale=False)  # NOTE: the statistics of X and X[2:] differ
+                          scale="never")  # NOTE: the statistics of X and X[2:] differ
     ref.fit(X[2:], y[2:])
     assert est.runner_.step_count == 1
     for name, value in ref.runner_.get_weights().items():
         np.testing.assert_array_equal(est.runner_.get_weights()[name], value)
     np.testing.assert_allclose(est.train_losses_[0], ref.train_losses_[0] / 2)
+
+
+def test_scale_takes_the_clis_values_and_the_old_ones_warn():
+    X = np.random.default_rng(0).normal(3.0, 20.0, size=(64, 4)).astype(np.float32)
+    y = X.sum(axis=1)
+    fit = {s: onnxopt.Trainer(mlp([4, 1]), scale=s, max_iter=1, tol=None).fit(X, y) for s in onnxopt.scaling.SCALE_MODES}
+    assert fit["never"].scaling_ is None
+    assert fit["always"].scaling_.x is not None and fit["auto"].scaling_.x is not None  # NOTE: std 20: scaled
+    for old, new in [(False, "never"), (True, "always"), (None, "never")]:
+        with pytest.warns(FutureWarning, match=rf"scale={old!r} is deprecated: use scale={new!r}"):
+            est = onnxopt.Trainer(mlp([4, 1]), scale=old, max_iter=1, tol=None).fit(X, y)
+        np.testing.assert_array_equal(est.predict(X), fit[new].predict(X))
+    with pytest.raises(ValueError, match=r"scale: expected one of \['auto', 'always', 'never'\], got 'sometimes'"):
+        onnxopt.Trainer(mlp([4, 1]), scale="sometimes", max_iter=1).fit(X, y)

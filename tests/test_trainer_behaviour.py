@@ -34,7 +34,7 @@ def noisy():
 
 
 def _est(**kw):
-    params = dict(update="sgd", learning_rate=0.05, batch_size=4, scale=False, early_stopping=True,
+    params = dict(update="sgd", learning_rate=0.05, batch_size=4, scale="never", early_stopping=True,
                   validation_fraction=0.25, random_state=0)
     return onnxopt.Trainer(mlp([4, 64, 1], seed=1), **{**params, **kw})
 
@@ -96,7 +96,7 @@ def test_binary_predict_thresholds_probabilities_at_one_half():
 
 def test_one_permutation_per_epoch_from_random_state_and_epoch(noisy):
     X, y = noisy
-    kw = dict(update="sgd", learning_rate=0.05, batch_size=8, max_iter=3, tol=None, scale=False)
+    kw = dict(update="sgd", learning_rate=0.05, batch_size=8, max_iter=3, tol=None, scale="never")
     est = onnxopt.Trainer(mlp([4, 8, 1], seed=1), random_state=7, **kw).fit(X, y)
     runner = onnxopt.Runner(est.train_step_)
     for epoch in range(3):

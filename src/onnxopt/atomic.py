@@ -4,7 +4,8 @@ The bytes go to a temporary file ``.<name>.<random>.tmp`` in the target's folder
 fsynced and renamed over the target (``os.replace``), then the folder is fsynced: a crash or a full disk
 leaves the old file or the new one, never a torn mix. A failed write removes its temporary file. A writer
 holds an ``flock`` on its temporary file, so the temporary files of killed writers (their lock died with
-them) are removed by the next write to the same target.
+them) are removed by the next write to the same target, and by ``remove_stale`` on a whole folder (a resumed
+run's checkpoint folder: its next write may never come).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -21,7 +23,7 @@ try:
 except ImportError:  # NOTE: no flock (Windows): writes stay atomic, stale temporary files stay
     fcntl = None
 
-__all__ = ["replacing", "write", "save_figure", "check_writable"]
+__all__ = ["replacing", "write", "save_figure", "check_writable", "remove_stale"]
 
 
 def _temp_pattern(path: str) -> str:
@@ -41,9 +43,24 @@ def _locked(fd: int) -> bool:
 
 def _remove_stale(path: str) -> None:
     """Removes the temporary files of writes to ``path`` whose writer died (nobody holds their lock)."""
+    _remove_unlocked(glob.glob(_temp_pattern(path)))
+
+
+def remove_stale(folder: str | os.PathLike) -> list[str]:
+    """Removes the temporary files that killed writes left in ``folder`` (``.<name>.<8 hex digits>.tmp`` whose
+    lock nobody holds); returns their names."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        return []
+    temps = [n for n in os.listdir(folder) if re.fullmatch(r"\..+\.[0-9a-f]{8}\.tmp", n)]
+    return [os.path.basename(t) for t in _remove_unlocked([os.path.join(folder, n) for n in temps])]
+
+
+def _remove_unlocked(temps: list[str]) -> list[str]:
     if fcntl is None:
-        return
-    for tmp in glob.glob(_temp_pattern(path)):
+        return []
+    removed = []
+    for tmp in temps:
         try:
             fd = os.open(tmp, os.O_RDONLY)
         except OSError:
@@ -51,10 +68,12 @@ def _remove_stale(path: str) -> None:
         try:
             if _locked(fd):
                 os.remove(tmp)
+                removed.append(tmp)
         except OSError:
             pass
         finally:
             os.close(fd)
+    return removed
 
 
 def _open_temp(path: str) -> tuple[int, str]:

@@ -18,6 +18,7 @@ import numpy as np
 
 from onnxopt import atomic
 from onnxopt.errors import DataError, OnnxoptError
+from onnxopt.scaling import SCALE_MODES
 from onnxopt.stream import as_stream
 
 __all__ = ["main"]
@@ -66,7 +67,7 @@ def _add_training_options(p: argparse.ArgumentParser, update: str = "sgd", lr: f
                    help="the model already outputs its loss under this name (no --loss then)")
     p.add_argument("--update", default=update, help=f"update rule, {SPEC_HELP}")
     p.add_argument("--penalty", default=None, help=f"penalty on every trained weight, {SPEC_HELP}")
-    p.add_argument("--lr", type=_learning_rate, default=lr,
+    p.add_argument("--lr", "--learning-rate", dest="lr", type=_learning_rate, default=lr,
                    help="learning rate: a float or a schedule spec, e.g. invscaling:eta0=0.05")
     p.add_argument("--weights", default=None, help="comma-separated initializers to train (default: every weight)")
     p.add_argument("--output", default=None, help="the model output the loss reads when there are several")
@@ -300,7 +301,7 @@ def _fit(args: argparse.Namespace) -> int:
     est = Trainer(args.model, batch_size=args.batch_size, max_iter=args.epochs, random_state=args.seed,
                   verbose=0 if args.quiet or rank else 1, checkpoint_dir=args.checkpoint, tol=args.tol,
                   early_stopping=args.validation_fraction > 0, validation_fraction=args.validation_fraction or 0.1,
-                  scale={"auto": "auto", "always": True, "never": False}[args.scale], **kwargs)
+                  n_iter_no_change=args.n_iter_no_change, scale=args.scale, **kwargs)
     t0 = time.perf_counter()
     if y is None:  # NOTE: opened once (the Trainer reads a small source whole and trains it as arrays)
         X = as_stream(X, features=features, target=args.target)
@@ -366,6 +367,8 @@ def _checkpoint_epochs(folder: str | None) -> int | None:
     from onnxopt.checkpoint import load_arrays
 
     path = os.path.join(folder, "trainer.ckpt") if folder else None
+    if folder:  # NOTE: as the Trainer's resume does: a refused resume trains (and writes) nothing
+        atomic.remove_stale(folder)
     return load_arrays(path)[1].get("n_iter") if path and os.path.isfile(path) else None
 
 
@@ -569,19 +572,23 @@ def _parser() -> argparse.ArgumentParser:
                      help=".npz (arrays X and y), .csv with a header row, or a Parquet file or folder (streamed)")
     fit.add_argument("--target", default=None, help="target column (.csv, required) or array (.npz, default y)")
     fit.add_argument("-o", dest="out", required=True, metavar="TRAINED.onnx", help="where to write the model")
-    fit.add_argument("--epochs", type=int, default=200, help="epochs at most (scikit-learn's MLP max_iter)")
+    fit.add_argument("--epochs", "--max-iter", dest="epochs", type=int, default=200,
+                     help="epochs at most (scikit-learn's MLP max_iter)")
     fit.add_argument("--batch-size", type=int, default=32, help="samples per step")
-    fit.add_argument("--seed", type=int, default=0, help="random state of the shuffling and the validation split")
+    fit.add_argument("--seed", "--random-state", dest="seed", type=int, default=0,
+                     help="random state of the shuffling and the validation split")
     fit.add_argument("--tol", type=_tol, default=1e-4,
                      help="stop when the validation loss (the training loss with --validation-fraction 0) improves "
-                          "by less than this for 10 epochs; 'none' runs every epoch")
+                          "by less than this for --n-iter-no-change epochs (scikit-learn's); 'none' runs every epoch")
+    fit.add_argument("--n-iter-no-change", type=int, default=10,
+                     help="epochs without an improvement of --tol before training stops (scikit-learn's)")
     fit.add_argument("--validation-fraction", type=float, default=0.1,
                      help="rows held out (as scikit-learn's early stopping): training stops on their loss and keeps "
                           "the best weights; 0 trains on every row")
-    fit.add_argument("--scale", choices=["auto", "always", "never"], default="auto",
+    fit.add_argument("--scale", choices=SCALE_MODES, default="auto",
                      help="standardize inputs and regression targets for training (the written model reads raw "
                           "ones); auto: when a column's std is outside [0.1, 10] or its mean beyond ±3")
-    fit.add_argument("--checkpoint", metavar="DIR", default=None,
+    fit.add_argument("--checkpoint", "--checkpoint-dir", dest="checkpoint", metavar="DIR", default=None,
                      help="save a checkpoint each epoch and resume from it when present")
     fit.add_argument("--quiet", action="store_true", help="no progress bar")
     fit.add_argument("--features", default=None, help="comma-separated feature columns of a .csv or Parquet "

@@ -37,6 +37,7 @@ from onnxopt.passes.fuse_update import fuse_update
 from onnxopt.passes.kernels import optimizer_kernels
 from onnxopt.passes.products import transposes_into_products
 from onnxopt.passes.update import is_elementwise, multi_tensor, name_packs
+from onnxopt.passes.unread import RemoveUnreadInitializersPass
 from onnxopt.rules import widen_float_constants
 from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
 from onnxopt.stages import CompileState, Stage, StageReport, run_stages
@@ -408,7 +409,8 @@ def _finish_stage(s: CompileState) -> None:
 
 
 def _optimize(s: CompileState) -> None:
-    """Fuses the update into the gradient's products, folds transposes, names the packs; checks a portable step.
+    """Fuses the update into the gradient's products, folds transposes, names the packs; checks a portable step;
+    drops the initializers no node reads.
 
     Needs ``finished``; leaves ``optimized``."""
     fuse_update(s.fused, kernels=not s.portable)
@@ -417,6 +419,7 @@ def _optimize(s: CompileState) -> None:
     if s.portable:
         crops_as_slices(s.fused)
         check_portable(s.fused)
+    RemoveUnreadInitializersPass()(s.fused)  # NOTE: what the rewrites above left; ORT 1.32 warns about each
     s.optimized = True
 
 

@@ -530,6 +530,26 @@ def _tag_regions(g: ir.Graph) -> None:
         node.metadata_props.setdefault("onnxopt.region", region)
 
 
+def _declare_static_dims(g: ir.Graph, original: ir.Graph) -> None:
+    """Each input and output of the gradient graph (``<output>_grad``, ``<weight>_grad``, ``<input>_grad``, kept
+    outputs) declares every static dim the model declares on the value it mirrors.
+
+    NOTE: onnxopt's rules and the builder infer some of these as unknown (``[N, ?]`` for a ``[N, 10]``
+    output); a caller feeding a random input of the declared shape then fed the wrong one."""
+    declared = {v.name: v for v in [*original.inputs, *original.outputs, *original.initializers.values()]
+                if v.shape is not None}
+    for v in [*g.inputs, *g.outputs]:
+        mirrored = declared.get(v.name[:-len("_grad")] if v.name.endswith("_grad") else v.name)
+        if mirrored is None:
+            continue
+        model = mirrored.shape
+        v.type = v.type or mirrored.type  # NOTE: the builder leaves kept outputs untyped
+        if v.shape is None or len(v.shape) != len(model):
+            v.shape = ir.Shape(list(model))
+        elif any(isinstance(d, int) and not isinstance(h, int) for d, h in zip(model, v.shape)):
+            v.shape = ir.Shape([d if isinstance(d, int) else h for d, h in zip(model, v.shape)])
+
+
 def gradient_ir(
     m: ir.Model,
     weights: Sequence[str],
@@ -557,6 +577,7 @@ def gradient_ir(
     grad.opset_imports["com.microsoft"] = 1
     grad.ir_version = m.ir_version
     passes.RemoveUnusedNodesPass()(grad)
+    _declare_static_dims(grad.graph, m.graph)
     return grad, forward
 
 

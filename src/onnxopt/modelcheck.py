@@ -4,7 +4,8 @@
   the folder; a proto given without its folder cannot read external data at all.
 - Every tensor's declared shape and type must match the bytes it holds (inline or in its external file)
   and stay below ``TENSOR_LIMIT``.
-- Every value name is defined once per graph (inputs, initializers, node outputs).
+- Every value name is defined once per graph (inputs, initializers, node outputs), each graph input and output
+  name is declared once, and no node depends on its own output (a cycle).
 - Every opset import names a domain onnx or onnxruntime defines (or a function of the model), at a version
   they know, and every node's domain is imported.
 Each refusal is a ``ModelFormatError`` (``ModelVersionError`` for opsets) naming the tensor, value or domain.
@@ -12,6 +13,7 @@ Each refusal is a ``ModelFormatError`` (``ModelVersionError`` for opsets) naming
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import os
@@ -53,6 +55,7 @@ def check_model(model: onnx.ModelProto, base_dir: str | None, name: str) -> None
     while graphs:
         graph = graphs.pop()
         _check_names(graph, name)
+        _check_acyclic(graph, name)
         tensors = [*getattr(graph, "initializer", [])]
         for sparse in getattr(graph, "sparse_initializer", []):
             tensors += [sparse.values, sparse.indices]
@@ -84,8 +87,14 @@ def _check_opsets(model: onnx.ModelProto, name: str) -> None:
 
 
 def _check_names(graph, name: str) -> None:
-    """Each value defined once: graph inputs, initializers (which may also be inputs), node outputs."""
+    """Each value defined once: graph inputs, initializers (which may also be inputs), node outputs; each graph
+    input and output declared once."""
     inputs = [i if isinstance(i, str) else i.name for i in graph.input]
+    for kind, names in [("input", inputs), ("output", [o if isinstance(o, str) else o.name for o in graph.output])]:
+        twice = sorted((n, c) for n, c in collections.Counter(names).items() if c > 1)
+        if twice:
+            raise ModelFormatError(f"{name}: graph {graph.name!r} declares {kind} {twice[0][0]!r} {twice[0][1]} times; "
+                                   f"expected each {kind} name once")
     defined = [(n, "an input") for n in inputs]
     defined += [(t.name, "an initializer") for t in getattr(graph, "initializer", []) if t.name not in inputs]
     defined += [(o, f"node {node.name!r} ({node.op_type})") for node in graph.node for o in node.output if o]
@@ -95,6 +104,51 @@ def _check_names(graph, name: str) -> None:
             raise ModelFormatError(f"{name}: value {value!r} is defined twice in graph {graph.name!r}, by "
                                    f"{first[value]} and by {who}; expected each name defined once")
         first[value] = who
+
+
+def _node_label(node, i: int) -> str:
+    return f"node {node.name!r} ({node.op_type})" if node.name else \
+        f"node #{i} ({node.op_type}, output {(list(node.output) or [''])[0]!r})"
+
+
+def _used(node) -> set[str]:
+    """Names a node reads: its inputs and, NOTE: from the outer scope, those its subgraphs read."""
+    used = set(node.input)
+    for attr in node.attribute:
+        for g in [*attr.graphs, *([attr.g] if attr.HasField("g") else [])]:
+            for inner in g.node:
+                used |= _used(inner)
+    return used
+
+
+def _check_acyclic(graph, name: str) -> None:
+    """Kahn's sort of the graph's nodes by the values they read and write; what is left lies on or after a cycle."""
+    nodes = list(graph.node)
+    producer = {o: i for i, node in enumerate(nodes) for o in node.output if o}
+    needs = [{producer[v] for v in _used(node) if v in producer} for node in nodes]
+    readers: dict[int, list[int]] = {}
+    for i, deps in enumerate(needs):
+        for d in deps:
+            readers.setdefault(d, []).append(i)
+    count = [len(d) for d in needs]
+    ready = [i for i, c in enumerate(count) if c == 0]
+    while ready:
+        for r in readers.get(ready.pop(), []):
+            count[r] -= 1
+            if count[r] == 0:
+                ready.append(r)
+    left = {i for i, c in enumerate(count) if c}
+    if not left:
+        return
+    i = min(left)  # NOTE: walk back along unsorted producers until a node repeats: that node is on a cycle
+    seen: list[int] = []
+    while i not in seen:
+        seen.append(i)
+        i = min(d for d in needs[i] if d in left)
+    cycle = seen[seen.index(i):]
+    raise ModelFormatError(f"{name}: graph {graph.name!r} has a cycle: {_node_label(nodes[i], i)} depends on its own "
+                           f"output through {len(cycle)} node(s) ({', '.join(_node_label(nodes[j], j) for j in cycle)}); "
+                           "expected an acyclic graph")
 
 
 def _check_tensor(t: onnx.TensorProto, base_dir: str | None, name: str) -> None:

@@ -80,6 +80,20 @@ def fixed_rows(step: TrainStep) -> int | None:
     return t.shape.dim[0].dim_value
 
 
+_LEVELS = {"verbose": 0, "info": 1, "warning": 2, "error": 3, "fatal": 4}
+
+
+def log_severity() -> int:
+    """onnxruntime's log severity for onnxopt's sessions: the environment variable ``ONNXOPT_LOG`` (verbose,
+    info, warning, error, fatal or 0-4), fatal when unset: ORT's errors are those onnxopt raises (a refused batch
+    is a DataError), its warnings say weights are overridable initializers, which they are by design."""
+    value = os.environ.get("ONNXOPT_LOG", "fatal").strip().lower()
+    level = _LEVELS.get(value, int(value) if value.isdigit() else -1)
+    if not 0 <= level <= 4:
+        raise ValueError(f"ONNXOPT_LOG: expected one of {list(_LEVELS)} or 0-4, got {value!r}")
+    return level
+
+
 def default_session_options(n_parameters: int, batch_size: int = 32, spinning: bool = True) -> ort.SessionOptions:
     """Options for training graphs: one thread when a step does little work (``n_parameters`` × batch below 1M,
     where handing work to a second thread costs more than it saves; ``step_work`` counts a step's), ORT's
@@ -91,9 +105,7 @@ def default_session_options(n_parameters: int, batch_size: int = 32, spinning: b
     784-512-512-10 at batch 128; at 84k (the seeds' MLP, batch 15) one thread is faster.
     """
     opts = ort.SessionOptions()
-    # NOTE: fatal only: ORT warns that weights are overridable initializers (by design) and logs every
-    # refused batch as an error, which Runner.step already raises as a DataError
-    opts.log_severity_level = 4
+    opts.log_severity_level = log_severity()  # NOTE: fatal unless ONNXOPT_LOG says otherwise
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     if n_parameters * batch_size < SMALL_STEP:
@@ -142,7 +154,7 @@ def cpu_model(step: TrainStep, batch_size: int = 32, threads: int = 1) -> CpuMod
     if found is not None:
         proto, kept, weighted = found[0], bool(found[1]), unhoisted.SerializeToString()
         side = proto.SerializeToString()
-        sess = ort.InferenceSession(side, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(side, default_session_options(0), providers=["CPUExecutionProvider"])
         hoisted = [o.name for o in sess.get_outputs()]
         dtype = inputs[step.sample_weight].dtype.numpy()
         # NOTE: shapes found by running it at two batch lengths: a dimension following the length is the batch's
@@ -243,7 +255,7 @@ class Runner:
         self._y_rows = (-1, *self._y_shape) if self._y_shape is not None else None
         if cpu is not None and cpu.side is not None:
             side_opts = ort.SessionOptions()
-            side_opts.intra_op_num_threads, side_opts.log_severity_level = 1, 4
+            side_opts.intra_op_num_threads, side_opts.log_severity_level = 1, log_severity()
             self._side = ort.InferenceSession(cpu.side, side_opts, providers=["CPUExecutionProvider"])
         self.batch_size = batch_size
         scan = scannable(model) if cpu else False  # NOTE: whether epochs run as one Scan (EpochLoop)

@@ -1,8 +1,8 @@
 """Standardized inputs and targets for ``Trainer(scale="auto")``: the weights train on (X - mean) / std, and
 regression targets on (y - mean) / std, with the statistics of the training data.
 
-- ``fit_scaling`` decides: ``scale=True`` always, ``"auto"`` when a column's std is outside [0.1, 10] or its
-  mean beyond ±3 (scikit-learn's bundled data sets all are; standard-normal data is left alone), ``False`` never.
+- ``fit_scaling`` decides: ``scale="always"``, ``"never"``, or ``"auto"`` when a column's std is outside [0.1, 10] or its
+  mean beyond ±3 (scikit-learn's bundled data sets all are; standard-normal data is left alone).
 - ``Scaling.fold`` rewrites the initial weights so the model computes the same function on scaled data, when
   the input goes (through a Cast) into ``MatMul + Add`` or ``Gemm`` and the output comes (through Reshape,
   Identity or Cast) from one. The Trainer starts from the folded weights or the weights as they are, whichever
@@ -16,13 +16,29 @@ regression targets on (y - mean) / std, with the statistics of the training data
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
-__all__ = ["Scaling", "fit_scaling"]
+__all__ = ["Scaling", "fit_scaling", "scale_mode", "SCALE_MODES"]
+
+SCALE_MODES = ("auto", "always", "never")  # NOTE: the Trainer's and the CLI's (--scale) values alike
+
+
+def scale_mode(scale) -> str:
+    """``scale`` as one of ``SCALE_MODES``; True, False and None (the Trainer's former values) still mean "always"
+    and "never", with a FutureWarning."""
+    if scale is True or scale is False or scale is None:
+        new = "always" if scale else "never"
+        warnings.warn(f"scale={scale!r} is deprecated: use scale={new!r} (the values --scale takes on the command "
+                      "line)", FutureWarning, stacklevel=3)
+        return new
+    if scale not in SCALE_MODES:
+        raise ValueError(f"scale: expected one of {list(SCALE_MODES)}, got {scale!r}")
+    return scale
 
 _PASS = ("Cast", "Reshape", "Identity", "Flatten")
 
@@ -93,17 +109,16 @@ class Scaling:
 
 def fit_scaling(X: np.ndarray, y: np.ndarray | None, scale) -> Scaling:
     """The statistics of ``X`` and of regression targets ``y`` (None for classes) that ``scale`` asks for."""
-    if scale not in (True, False, "auto", None):
-        raise ValueError(f"scale: expected True, False or 'auto', got {scale!r}")
+    scale = scale_mode(scale)
 
     def stats(a):
-        if a is None or not scale or a.dtype.kind != "f" or a.ndim not in (1, 2) or not np.isfinite(a).all() \
+        if a is None or scale == "never" or a.dtype.kind != "f" or a.ndim not in (1, 2) or not np.isfinite(a).all() \
                 or not a.size:  # NOTE: the data checks that follow name what is wrong with such data
             return None
         a = np.asarray(a, np.float64).reshape(len(a), -1)
         mean, std = a.mean(axis=0), a.std(axis=0)
         varying = std > 0
-        needed = scale is True or bool(((std < 0.1) | (std > 10) | (np.abs(mean) > 3))[varying].any())
+        needed = scale == "always" or bool(((std < 0.1) | (std > 10) | (np.abs(mean) > 3))[varying].any())
         return (mean, np.where(varying, std, 1.0)) if needed else None
 
     return Scaling(stats(X), stats(y))

@@ -21,7 +21,7 @@ import onnxruntime as ort
 from tqdm.auto import tqdm
 
 from onnxopt import distributed, stream
-from onnxopt.atomic import check_writable
+from onnxopt.atomic import check_writable, remove_stale
 from onnxopt.data import check_batch_size, check_feature_shape, check_features, check_sample_weight, check_target
 from onnxopt.dsl import losses
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError, ModelError
@@ -31,7 +31,7 @@ from onnxopt.modelio import load_model
 from onnxopt.resolve import resolve_loss
 from onnxopt.runner import (FIXED_BATCH, Runner, default_session_options, fixed_rows, several_inputs,
                             step_work)
-from onnxopt.scaling import fit_scaling
+from onnxopt.scaling import fit_scaling, scale_mode
 from onnxopt.step import _KEY as STEP_KEY, TrainStep
 from onnxopt.tasks import choose_loss
 
@@ -145,9 +145,10 @@ class Trainer:
             names = [v.name for v in load_model(model).graph.inputs if not v.is_initializer()]
             if len(names) > 1:
                 raise several_inputs(names)
-        if X is not None and _in_memory(X) and self.scale is not False and loss is not None and self.loss_output is None:
+        self._scale = scale_mode(self.scale)
+        if X is not None and _in_memory(X) and self._scale != "never" and loss is not None and self.loss_output is None:
             targets = y if _task(resolve_loss(loss)) == "regression" else None
-            self.scaling_ = fit_scaling(_floats(X), _floats(targets), self.scale)
+            self.scaling_ = fit_scaling(_floats(X), _floats(targets), self._scale)
             if saved is None:  # NOTE: a compiled step starts from its weights as they are
                 model = load_model(model)
                 x = next(v for v in model.graph.inputs if not v.is_initializer())
@@ -338,7 +339,7 @@ class Trainer:
         else:
             X, y, sw = self._validate(X, y, sample_weight, fit=True)
             if self.scaling_ is not None and self.scaling_.x is not None and not getattr(self, "_x_folded", True) and \
-                    self.scale == "auto" and self.n_iter_ == 0:
+                    getattr(self, "_scale", "auto") == "auto" and self.n_iter_ == 0:
                 self._scale_inputs_if_better(X, y, sw)
             if self.scaling_ is not None:
                 X, y = self.scaling_.transform(X, y)
@@ -504,6 +505,8 @@ class Trainer:
 
     def _resume(self) -> None:
         path = None if self.checkpoint_dir is None else os.path.join(self.checkpoint_dir, _CHECKPOINT)
+        if path is not None:  # NOTE: writes killed mid-way; the next one may never come (nothing left to train)
+            remove_stale(self.checkpoint_dir)
         if path is None or not os.path.exists(path):
             return
         meta = self.runner_.load_checkpoint(path, kind=_KIND)

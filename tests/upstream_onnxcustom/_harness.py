@@ -201,12 +201,15 @@ def select_model_inputs_outputs(onx, outputs=None, infer_shapes=False):
     return model
 
 
-def random_feed(inputs, batch=10):
-    """Random float inputs, ``batch`` rows where the first dimension is free."""
+def random_feed(inputs, batch=10, empty_dimension=1):
+    """Random float inputs of the declared shapes, as mlprodict's: ``batch`` rows where the first dimension is
+    free, ``empty_dimension`` where a later one is (so a graph that declares fewer static dims than it needs
+    fails, as it did upstream)."""
     rng = numpy.random.default_rng(0)
     feeds = {}
     for i in inputs:
-        shape = [d.dim_value or batch for d in i.type.tensor_type.shape.dim]
+        dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
+        shape = [dim or (batch if k == 0 else empty_dimension) for k, dim in enumerate(dims)]
         dtype = helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
         feeds[i.name] = rng.standard_normal(shape).astype(dtype)
     return feeds

@@ -405,7 +405,7 @@ def _sk_trained(name: str, dtype):
     model = _converted(name, dtype)
     X, y = _batch(name, dtype, slice(0, N_TRAIN))
     est = onnxopt.Trainer(model, learning_rate=SK_CASES[name][2], batch_size=32, max_iter=8, random_state=0,
-                          update="sgd", scale=False, **_sk_options(name, model))  # NOTE: the learning rates are SGD's
+                          update="sgd", scale="never", **_sk_options(name, model))  # NOTE: the learning rates are SGD's
     return est.fit(X, y), model
 
 

@@ -93,7 +93,7 @@ def _check_first_step(cls, exporter: str, api: str, dtype=torch.float32, shape=(
         ours, w1, trained = runner.step(X, y), runner.get_weights(), step.weights
     else:
         est = onnxopt.Trainer(model, loss="square", update="sgd", learning_rate=LR, batch_size=16, max_iter=1,
-                              shuffle=False, scale=None, tol=None).fit(X, y)
+                              shuffle=False, scale="never", tol=None).fit(X, y)
         ours, trained = est.train_losses_[0], est.train_step_.weights
         w1 = {t.name: onnx.numpy_helper.to_array(t) for t in est.trained_model_.graph.initializer}
     theirs, before = _torch_step(module, X, y)

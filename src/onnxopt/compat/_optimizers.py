@@ -22,7 +22,18 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
-from sklearn.base import BaseEstimator
+
+try:
+    from sklearn.base import BaseEstimator
+except ImportError as _exc:  # NOTE: scikit-learn is an extra: the rest of onnxopt.compat works without it
+    _MISSING = _exc
+
+    class BaseEstimator:  # type: ignore[no-redef]
+        """Stands in for scikit-learn's base class: constructing an estimator says which extra installs it."""
+
+        def __new__(cls, *args, **kwargs):
+            raise ImportError(f"{cls.__name__} needs scikit-learn ({_MISSING}); install it: pip install -e "
+                              "'.[sklearn]' in the repository")
 
 from onnxopt import atomic
 from onnxopt.compat._learning import LearningRateSGD, select_loss, select_penalty, select_rate
@@ -244,7 +255,7 @@ class OrtGradientForwardBackwardOptimizer(_Base):
         steps = -(-len(X) // max(1, min(self.batch_size, len(X))))
         trainer = Trainer(ir.to_proto(self._start(m, names)), **self._step_args(m, names, steps),
                           batch_size=self.batch_size, device=self.device, tol=None, verbose=self.verbose,
-                          scale=False)  # NOTE: onnxcustom trained on the data as given
+                          scale="never")  # NOTE: onnxcustom trained on the data as given
         self._run(trainer, X, _column(y), _column(sample_weight), X_val, _column(y_val))
         return self
 
@@ -338,7 +349,7 @@ class OrtGradientOptimizer(_Base):
         batch = max(1, min(self.batch_size, len(X)))
         trainer = Trainer(ir.to_proto(m), **self._step_args(m, names, -(-len(X) // batch), batch),
                           batch_size=self.batch_size, device=self.device, tol=None, verbose=self.verbose,
-                          scale=False)  # NOTE: onnxcustom trained on the data as given
+                          scale="never")  # NOTE: onnxcustom trained on the data as given
         self._run(trainer, X, self._label(m, y), _column(sample_weight), X_val,
                   None if y_val is None else self._label(m, y_val), scale=1.0 / batch)
         if self.saved_gradient is not None:  # NOTE: onnxcustom saved its gradient graph; the fused step holds it

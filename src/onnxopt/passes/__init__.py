@@ -11,4 +11,5 @@
 - ``kernels``: built-in update rules run by onnxruntime-training's optimizer kernels (non-portable steps);
 - ``batch``: the Runner's CPU model specialized for how it feeds a batch (targets, sample weights);
 - ``epoch``: that model as the body of an ONNX Scan over an epoch's batches (``Runner.epoch``).
+- ``unread``: initializers no node reads removed (end of compilation, the epoch and side models).
 """

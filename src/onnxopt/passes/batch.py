@@ -22,6 +22,7 @@ import onnx_ir.passes.common as common
 
 from onnxopt import graphs
 from onnxopt.passes.fuse_update import scalar_value
+from onnxopt.passes.unread import RemoveUnreadInitializersPass
 
 __all__ = ["RANDOM", "LARGE_RELU_GRAD", "ROW", "hoist", "shaped_target", "drop_same_shape_reshapes",
            "masked_relu_grads", "summed_rows", "row_sum_updates"]
@@ -108,8 +109,7 @@ def hoist(model: ir.Model, name: str) -> tuple[onnx.ModelProto, list[str]] | Non
     side.graph.inputs.clear()
     side.graph.inputs.append(side_source)
     _prune(side.graph)
-    for init in [n for n in side.graph.initializers if not side.graph.initializers[n].uses()]:
-        side.graph.initializers.pop(init)
+    RemoveUnreadInitializersPass()(side)  # NOTE: the pruned nodes' inputs still count as uses
     for value in frontier:
         new = ir.Value(name=value.name, type=value.type, shape=value.shape)
         value.name = None

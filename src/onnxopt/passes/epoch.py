@@ -25,6 +25,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxopt.passes.batch import RANDOM
+from onnxopt.passes.unread import remove_unread_initializers
 from onnxopt.step import NEW
 
 __all__ = ["epoch_model", "scannable", "PREFIX", "LAST", "CHECK", "COUNT"]
@@ -171,5 +172,6 @@ def epoch_model(model: onnx.ModelProto, batch_inputs: list[str], carried: list[s
     results = [*(_info(PREFIX + n + NEW, inputs[n]) for n in carried),
                *(_info(PREFIX + n + LAST, inputs[n]) for n in carried), _info(PREFIX + "losses", outputs[loss], (None,)),
                _info(CHECK, outputs[loss])]
-    return helper.make_model(helper.make_graph([scan, *tail], "epoch", outer, results, consts),
-                             opset_imports=model.opset_import, ir_version=model.ir_version, functions=model.functions)
+    return remove_unread_initializers(helper.make_model(  # NOTE: the body's constants the step did not read
+        helper.make_graph([scan, *tail], "epoch", outer, results, consts), opset_imports=model.opset_import,
+        ir_version=model.ir_version, functions=model.functions))
