@@ -1,0 +1,1 @@
+"""onnxruntime-training's on-device training API on stock onnxruntime."""
