@@ -128,10 +128,9 @@ def training_model(loss_model: ir.Model, requires_grad: Sequence[str], frozen: S
     buffers, flags = [], []
     for p, gv in grads.items():
         buf = ir.Value(name=f"{p}_grad.accumulation.buffer", type=by_name[p].type, shape=by_name[p].shape)
-        node = ir.node("InPlaceAccumulatorV2", [buf, gv, reset], domain=MS, num_outputs=2)
+        node = ir.node("InPlaceAccumulatorV2", [buf, gv, reset], domain=MS)
         node.outputs[0].name = f"{p}_grad.accumulation.out"
         node.outputs[0].type, node.outputs[0].shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([1])
-        node.outputs[1].name = f"{p}_grad.accumulation.updated"
         g.append(node)
         buffers.append(buf)
         flags.append(node.outputs[0])
