@@ -4,6 +4,7 @@ has it with onnx < 1.17 (its artifacts at IR <= 10). Used by tests/test_ort_trai
     python ort_training_worker.py generate MODEL DIR LOSS OPTIM   # its artifacts.generate_artifacts
     python ort_training_worker.py train DIR DATA.npz STEPS OUT.npz [LR]   # its api: losses, eval loss, parameters
     python ort_training_worker.py checkpoint PATH OUT.npz           # its CheckpointState.load_checkpoint
+    python ort_training_worker.py parity MODEL DIR LOSS OPTIM DATA.npz STEPS LR  # see parity()
 """
 
 import json
@@ -50,11 +51,19 @@ def train(folder, data, steps, out, lr=None):
              contiguous=module.get_contiguous_parameters().numpy(), **result)
 
 
+def parity(model, folder, loss, optim, data, steps, lr):
+    """Its artifacts of MODEL into FOLDER/ort, trained by its api (FOLDER/ort.npz); the artifacts already in
+    FOLDER/onnxopt trained by its api (FOLDER/onnxopt.npz)."""
+    generate(model, f"{folder}/ort", loss, optim)
+    train(f"{folder}/ort", data, steps, f"{folder}/ort.npz", lr)
+    train(f"{folder}/onnxopt", data, steps, f"{folder}/onnxopt.npz", lr)
+
+
 def checkpoint(path, out):
     from onnxruntime.training import api
 
     state = api.CheckpointState.load_checkpoint(path)
-    props = {k: state.properties[k] for k in state.properties}
+    props = dict(state.properties)
     names = [k for k, _ in state.parameters]
     arrays = {}
     try:
@@ -65,4 +74,4 @@ def checkpoint(path, out):
 
 
 if __name__ == "__main__":
-    {"generate": generate, "train": train, "checkpoint": checkpoint}[sys.argv[1]](*sys.argv[2:])
+    {"generate": generate, "train": train, "checkpoint": checkpoint, "parity": parity}[sys.argv[1]](*sys.argv[2:])
