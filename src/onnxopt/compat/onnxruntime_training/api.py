@@ -357,8 +357,9 @@ class Optimizer:
                                 for i in range(self._spec.moments)]
         params = [(n, state._meta[n][0], state._meta[n][1]) for n in self._names]
         self._update = _session(lowering.update_model(self._spec, params), _providers(module.device), None)
+        clip = [".grad"] if self._spec.clip is not None else []
         self._outputs = [f"{n}{s}{lowering.NEXT}" for n in self._names
-                         for s in ["", *(f".momentum{i}" for i in range(self._spec.moments))]]
+                         for s in ["", *(f".momentum{i}" for i in range(self._spec.moments)), *clip]]
         state._optimizer = self
 
     def step(self) -> None:
@@ -373,6 +374,8 @@ class Optimizer:
         for n in self._names:
             state._values[n] = next(outs)
             self._moments[n] = [next(outs) for _ in range(self._spec.moments)]
+            if self._spec.clip is not None:
+                state._grads[n] = next(outs)
         self._step += 1
 
     def set_learning_rate(self, learning_rate: float) -> None:

@@ -115,28 +115,32 @@ def _finish(m: ir.Model) -> onnx.ModelProto:
 
 def training_model(loss_model: ir.Model, requires_grad: Sequence[str], frozen: Sequence[str],
                    additional: Sequence[str]) -> onnx.ModelProto:
-    """The training model of a model that outputs its loss first (see the module docstring)."""
+    """The training model of a model whose first output is its loss (see the module docstring).
+    ``requires_grad`` may name graph inputs too (their gradient is accumulated the same way)."""
     from onnxopt.gradient import gradient_ir
 
-    user = [v.name for v in loss_model.graph.inputs]
-    grad, _ = gradient_ir(loss_model, list(requires_grad), keep_outputs=True, fill_grad=True, gradient="onnxopt")
+    g0 = loss_model.graph
+    user = [v.name for v in g0.inputs]
+    loss_name = g0.outputs[0].name
+    weights = [n for n in requires_grad if n in g0.initializers]
+    wrt_inputs = [n for n in requires_grad if n not in g0.initializers]
+    grad, _ = gradient_ir(loss_model, weights, wrt_inputs, keep_outputs=True, fill_grad=True, gradient="onnxopt")
     g = grad.graph
     _as_inputs(g, frozen)
     by_name = {v.name: v for v in [*g.inputs, *g.outputs]}
-    grads = {p: by_name[f"{p}_grad"] for p in requires_grad}
     reset = ir.Value(name="lazy_reset_grad", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1]))
     buffers, flags = [], []
-    for p, gv in grads.items():
+    for p in requires_grad:
         buf = ir.Value(name=f"{p}_grad.accumulation.buffer", type=by_name[p].type, shape=by_name[p].shape)
-        node = ir.node("InPlaceAccumulatorV2", [buf, gv, reset], domain=MS)
+        node = ir.node("InPlaceAccumulatorV2", [buf, by_name[f"{p}_grad"], reset], domain=MS)
         node.outputs[0].name = f"{p}_grad.accumulation.out"
         node.outputs[0].type, node.outputs[0].shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([1])
         g.append(node)
         buffers.append(buf)
         flags.append(node.outputs[0])
-    params = [by_name[p] for p in [*requires_grad, *frozen]]
+    params = [by_name[p] for p in [*weights, *frozen]]
     ins = [by_name[n] for n in user] + params + buffers + [reset]
-    outs = [by_name["loss"], *(by_name[n] for n in additional)] + flags
+    outs = [by_name[loss_name], *(by_name[n] for n in additional)] + flags
     g.inputs.clear()
     g.inputs.extend(ins)
     g.outputs.clear()
@@ -251,8 +255,12 @@ def generate_artifacts(
         opset = loss_model.opset_imports.get("", 17)
         if isinstance(optimizer, OptimType):
             proto = optimizer_model(optimizer, opset)
-        else:  # NOTE: an onnxblock optimizer block (onnxblock.optim.AdamW(...), SGD, ClipGradNorm)
-            proto = optimizer.to_optimizer_model(opset)
+        else:  # NOTE: an onnxblock optimizer block (onnxblock.optim.AdamW(...), SGD(clip_grad=...))
+            from onnxopt.compat.onnxruntime_training import onnxblock
+
+            with onnxblock.empty_base(opset) as accessor:
+                optimizer(([ir.serde.serialize_tensor(inits[n].const_value) for n in requires_grad], []))
+            proto = accessor.model
         onnx.save(proto, out / f"{prefix}optimizer_model.onnx")
     ckpt = checkpoint_fbs.Checkpoint(
         requires_grad_params={n: inits[n].const_value.numpy() for n in requires_grad},

@@ -62,6 +62,7 @@ class OptimizerSpec:
 
     kind: str
     attributes: dict
+    clip: float | None = None  # NOTE: InplaceClipGradNorm's max_norm: the gradients are clipped in place first
 
     @property
     def moments(self) -> int:
@@ -73,12 +74,14 @@ def optimizer_spec(proto: onnx.ModelProto) -> OptimizerSpec:
     kinds = {"AdamWOptimizer": "AdamW", "SGDOptimizerV2": "SGD"}
     graph = ir.from_proto(proto).graph
     found = [n for n in graph if n.domain == MS and n.op_type in kinds]
-    if len(found) != 1:
-        odd = sorted({f"{n.domain}::{n.op_type}" for n in graph if n.op_type not in kinds})
+    clips = [n for n in graph if n.domain == MS and n.op_type == "InplaceClipGradNorm"]
+    odd = sorted({f"{n.domain}::{n.op_type}" for n in graph if n not in found and n not in clips})
+    if len(found) != 1 or odd:
         raise ModelError(f"optimizer model: expected one com.microsoft AdamWOptimizer or SGDOptimizerV2 node, got "
                          f"{len(found)} (other ops: {odd}); these kernels have no lowering to standard ONNX")
     node = found[0]
-    return OptimizerSpec(kinds[node.op_type], {k: a.value for k, a in node.attributes.items()})
+    clip = float(clips[0].attributes["max_norm"].value) if clips else None
+    return OptimizerSpec(kinds[node.op_type], {k: a.value for k, a in node.attributes.items()}, clip)
 
 
 def update_model(spec: OptimizerSpec, params: Sequence[tuple[str, np.dtype, tuple]], opset: int = 18
@@ -113,11 +116,18 @@ def update_model(spec: OptimizerSpec, params: Sequence[tuple[str, np.dtype, tupl
         else:
             ac = bc = c(1.0)
         lr_c = tape.op("Mul", [lr, tape.op("Div", [tape.op("Sqrt", [bc]), ac])])
+    grads = {name: value(name + ".grad", shape=shape) for name, _, shape in params}
+    used = dict(grads)
+    if spec.clip is not None:  # NOTE: InplaceClipGradNorm: g *= min(max_norm / (||all g||_2 + 1e-6), 1)
+        squares = [tape.op("ReduceSumSquare", [g], {"keepdims": 0}) for g in grads.values()]
+        total = tape.op("Sqrt", [tape.op("Sum", squares)])
+        coef = tape.op("Min", [tape.op("Div", [c(spec.clip), tape.op("Add", [total, c(1e-6)])]), c(1.0)])
+        used = {n: tape.op("Mul", [g, coef]) for n, g in grads.items()}
     for name, dtype, shape in params:
         p0 = p = value(name, ir.DataType.from_numpy(np.dtype(dtype)), shape)
-        g = value(name + ".grad", shape=shape)
+        g = used[name]
         moments = [value(f"{name}.momentum{i}", shape=shape) for i in range(spec.moments)]
-        inputs += [p0, g, *moments]
+        inputs += [p0, grads[name], *moments]
         if spec.kind == "SGD":
             new = [tape.op("Sub", [p, tape.op("Mul", [lr, g])]), *moments]
         else:
@@ -141,5 +151,8 @@ def update_model(spec: OptimizerSpec, params: Sequence[tuple[str, np.dtype, tupl
                 out = tape.op("Identity", [old])
             out.name, out.type, out.shape = old.name + NEXT, old.type, old.shape
             outputs.append(out)
+        if spec.clip is not None:  # NOTE: the clipped gradient, which onnxruntime leaves in the buffer
+            g.name, g.type, g.shape = grads[name].name + NEXT, grads[name].type, grads[name].shape
+            outputs.append(g)
     graph = ir.Graph(inputs, outputs, nodes=tape.nodes, name="optimizer_step", opset_imports={"": opset})
     return ir.to_proto(ir.Model(graph, ir_version=10, producer_name="onnxopt"))
