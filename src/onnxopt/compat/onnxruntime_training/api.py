@@ -28,7 +28,12 @@ RESET = "lazy_reset_grad"
 
 
 def _ortvalue(array) -> ort.OrtValue:
-    return array if isinstance(array, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
+    if isinstance(array, ort.OrtValue):
+        return array
+    array = np.ascontiguousarray(array)
+    if array.dtype.kind == "U":  # NOTE: onnxruntime takes strings as an object array
+        array = array.astype(object)
+    return ort.OrtValue.ortvalue_from_numpy(array)
 
 
 class Parameter:
@@ -68,9 +73,13 @@ class Parameters:
     def __getitem__(self, name: str) -> Parameter:
         if name not in self:
             raise KeyError(f"Parameter {name} not found.")
+        if self._state._nominal:
+            raise RuntimeError("Cannot get parameter from a nominal state. Please load the parameter states first")
         return Parameter(self._state, name)
 
     def __setitem__(self, name: str, value: np.ndarray) -> None:
+        if self._state._nominal:
+            raise RuntimeError("Cannot set parameter in a nominal state. Please load all the parameter states first")
         self[name].data = value
 
     def __contains__(self, name: str) -> bool:
@@ -240,9 +249,7 @@ class Module:
     def __call__(self, *user_inputs):
         numpy_out = any(not isinstance(x, ort.OrtValue) for x in user_inputs)
         state = self._state
-        if state._nominal:
-            raise RuntimeError("Module: the checkpoint state is nominal; copy the parameters in first "
-                               "(copy_buffer_to_parameters)")
+        self._check_loaded()
         names = self._train_inputs if self.training else self._eval_inputs
         if len(user_inputs) != len(names):
             raise ValueError(f"Module: expected {len(names)} inputs {names}, got {len(user_inputs)}")
@@ -266,6 +273,11 @@ class Module:
         outs = [o.numpy() for o in outs] if numpy_out else list(outs)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    def _check_loaded(self) -> None:
+        if self._state._nominal:
+            raise RuntimeError("Module: the checkpoint state is nominal. Please load the model parameters first. "
+                               "(copy_buffer_to_parameters)")
+
     def train(self, mode: bool = True) -> Module:
         self.training = mode
         return self
@@ -286,8 +298,7 @@ class Module:
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:
         """The parameters flattened into one float32 buffer, in the training model's input order."""
         names = self._names(trainable_only)
-        if self._state._nominal:
-            return _ortvalue(np.zeros(self.get_parameters_size(trainable_only), np.float32))
+        self._check_loaded()
         return _ortvalue(np.concatenate([self._state._values[n].numpy().ravel() for n in names]).astype(np.float32))
 
     def copy_buffer_to_parameters(self, buffer, trainable_only: bool = True) -> None:
@@ -364,6 +375,7 @@ class Optimizer:
 
     def step(self) -> None:
         """One update of every trained parameter from its accumulated gradient."""
+        self._module._check_loaded()
         state = self._module._state
         feeds = {"learning_rate": _ortvalue(np.array([self._lr], np.float32)),
                  "step": _ortvalue(np.array([self._step + 1], np.int64))}

@@ -124,7 +124,10 @@ def training_model(loss_model: ir.Model, requires_grad: Sequence[str], frozen: S
     loss_name = g0.outputs[0].name
     weights = [n for n in requires_grad if n in g0.initializers]
     wrt_inputs = [n for n in requires_grad if n not in g0.initializers]
-    grad, _ = gradient_ir(loss_model, weights, wrt_inputs, keep_outputs=True, fill_grad=True, gradient="onnxopt")
+    if requires_grad:
+        grad, _ = gradient_ir(loss_model, weights, wrt_inputs, keep_outputs=True, fill_grad=True, gradient="onnxopt")
+    else:  # NOTE: nothing to train: the forward model with the runtime's inputs
+        grad = loss_model.clone()
     g = grad.graph
     _as_inputs(g, frozen)
     by_name = {v.name: v for v in [*g.inputs, *g.outputs]}
@@ -151,8 +154,15 @@ def training_model(loss_model: ir.Model, requires_grad: Sequence[str], frozen: S
 
 
 def eval_model(loss_model: ir.Model, params: Sequence[str]) -> onnx.ModelProto:
+    """The loss model with the parameters as inputs, Dropout and BatchNormalization in inference mode (as
+    onnxruntime's eval model: Dropout without its training_mode input, BatchNormalization training_mode=0)."""
     m = loss_model.clone()
     _as_inputs(m.graph, params)
+    for node in m.graph:
+        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.inputs) > 2:
+            node.replace_input_with(2, None)
+        elif node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and "training_mode" in node.attributes:
+            node.attributes["training_mode"] = ir.AttrInt64("training_mode", 0)
     return _finish(m)
 
 
@@ -266,4 +276,7 @@ def generate_artifacts(
         requires_grad_params={n: inits[n].const_value.numpy() for n in requires_grad},
         frozen_params={n: inits[n].const_value.numpy() for n in frozen},
         is_nominal_state=nominal_checkpoint)
+    if nominal_checkpoint:  # NOTE: as onnxruntime: the complete checkpoint too, and the nominal one beside it
+        checkpoint_fbs.save(ckpt, out / f"{prefix}nominal_checkpoint")
+        ckpt.is_nominal_state = False
     checkpoint_fbs.save(ckpt, out / f"{prefix}checkpoint")

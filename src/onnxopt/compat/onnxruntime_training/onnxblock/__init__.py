@@ -74,7 +74,6 @@ def apply_loss_block(model: ir.Model, loss: Block, loss_input_names=None) -> ir.
         else:
             out = loss(*names)
         built = onnx.shape_inference.infer_shapes(accessor.model)
-    del built.graph.output[:]
     from onnxopt.compat.onnxruntime_training.onnxblock.onnxblock import register_graph_outputs
 
     register_graph_outputs(built, out)

@@ -121,6 +121,22 @@ class Cast(_Op):
         super().__init__(to=int(to))
 
 
+class LabelEncoder(_Op):
+    """ai.onnx.ml LabelEncoder (keys and values as its attributes)."""
+
+    op_type = "LabelEncoder"
+
+    def __init__(self, default_float=None, default_int64=None, default_string=None, keys_floats=None,
+                 keys_int64s=None, keys_strings=None, values_floats=None, values_int64s=None, values_strings=None):
+        super().__init__(**{k: v for k, v in locals().items() if k not in ("self", "__class__") and v is not None})
+
+    def build(self, label_encoder_input_name: str) -> str:
+        out = generate_graph_name("label_encoder_output")
+        self.base.graph.node.append(make_node("LabelEncoder", [label_encoder_input_name], [out], domain="ai.onnx.ml",
+                                              **self._attributes))
+        return out
+
+
 class Pow(Block):
     """``input ** exponent`` (a float initializer)."""
 

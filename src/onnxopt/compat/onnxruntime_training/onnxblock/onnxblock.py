@@ -3,6 +3,8 @@ gradient from onnxopt's rules), as ``onnxruntime.training.onnxblock``'s."""
 
 from __future__ import annotations
 
+import copy
+
 import onnx
 import onnx_ir as ir
 
@@ -10,13 +12,16 @@ from onnxopt.compat.onnxruntime_training.onnxblock import blocks
 
 
 def register_graph_outputs(model: onnx.ModelProto, output_names) -> None:
-    """Makes ``output_names`` graph outputs, typed from shape inference where it knows them."""
+    """Makes ``output_names`` the graph outputs (replacing the others), typed by shape inference."""
     names = [output_names] if isinstance(output_names, str) else list(output_names)
-    have = {o.name for o in model.graph.output}
+    outputs = []
     for name in names:
-        if name not in have:
-            found = blocks.find_value(model, name)
-            model.graph.output.append(found if found is not None else onnx.ValueInfoProto(name=name))
+        found = blocks.find_value(model, name)
+        if found is None:
+            raise LookupError(f"The provided name {name} is not a graph value info or a graph output.")
+        outputs.append(copy.deepcopy(found))
+    del model.graph.output[:]
+    model.graph.output.extend(outputs)
 
 
 class ForwardBlock(blocks.Block):
@@ -77,7 +82,6 @@ class TrainingBlock(blocks.Block):
             raise RuntimeError(f"{type(self).__name__}: call blocks inside `with onnxblock.base(model):`")
         output = self.build(*args, **kwargs)
         model = self.infer_shapes_on_base()
-        del model.graph.output[:]
         register_graph_outputs(model, output)
         inits = {i.name: i for i in model.graph.initializer}
         self._parameters = ([inits[n] for n in inits if n in self._requires_grad],
