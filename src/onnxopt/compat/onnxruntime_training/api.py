@@ -203,6 +203,13 @@ def _providers(device: str) -> list[str]:
     raise ValueError(f"device: expected 'cpu' (or 'cuda' with onnxruntime-gpu), got {device!r}")
 
 
+def _run(session: ort.InferenceSession, names: list[str], feeds: dict, strings: bool) -> list[ort.OrtValue]:
+    if not strings:
+        return session.run_with_ort_values(names, feeds)
+    feeds = {k: v.numpy() if isinstance(v, ort.OrtValue) else v for k, v in feeds.items()}
+    return [_ortvalue(v) for v in session.run(names, feeds)]
+
+
 class Module:
     """Trains (``train()``) or evaluates (``eval()``) the artifacts' models over a ``CheckpointState``.
 
@@ -248,24 +255,26 @@ class Module:
 
     def __call__(self, *user_inputs):
         numpy_out = any(not isinstance(x, ort.OrtValue) for x in user_inputs)
+        # NOTE: an OrtValue cannot hold strings: a string input runs the whole call on numpy arrays
+        strings = any(np.asarray(x).dtype.kind in "OUS" for x in user_inputs if not isinstance(x, ort.OrtValue))
         state = self._state
         self._check_loaded()
         names = self._train_inputs if self.training else self._eval_inputs
         if len(user_inputs) != len(names):
             raise ValueError(f"Module: expected {len(names)} inputs {names}, got {len(user_inputs)}")
-        feeds = {n: _ortvalue(x) for n, x in zip(names, user_inputs)}
+        feeds = dict(zip(names, user_inputs)) if strings else {n: _ortvalue(x) for n, x in zip(names, user_inputs)}
         if not self.training:
             if self._eval is None:
                 raise RuntimeError("Module: no eval model was given (eval_model_uri)")
             feeds.update({n: state._values[n] for n in self._eval_params})
-            outs = self._eval.run_with_ort_values(self._eval_outputs, feeds)
+            outs = _run(self._eval, self._eval_outputs, feeds, strings)
         else:
             feeds.update({n: state._values[n] for n in self._params})
             feeds.update({n + BUFFER: state._grads[n] for n in self._trained})
             if self._has_reset:
                 feeds[RESET] = _ortvalue(np.array([not self._accumulate]))
             fetch = self._train_outputs + [n + BUFFER + lowering.NEXT for n in self._trained]
-            outs = self._train.run_with_ort_values(fetch, feeds)
+            outs = _run(self._train, fetch, feeds, strings)
             k = len(self._train_outputs)
             state._grads.update(zip(self._trained, outs[k:]))
             outs = outs[:k]

@@ -43,6 +43,8 @@ class ForwardBlock(blocks.Block):
         output = self.build(*args, **kwargs)
         self._model = self.infer_shapes_on_base()
         register_graph_outputs(self._model, output)
+        # NOTE: onnxruntime-training 1.19 loads IR <= 10; a base made with onnx.IR_VERSION of onnx >= 1.17 is newer
+        self._model.ir_version = min(self._model.ir_version, 10)
         self.base.CopyFrom(self._model)
         return output
 
@@ -76,6 +78,7 @@ class TrainingBlock(blocks.Block):
 
     def __call__(self, *args, **kwargs):
         from onnxopt.compat.onnxruntime_training import artifacts
+        from onnxopt.modelio import load_model
 
         self.base = blocks._ACCESSOR[-1].model if blocks._ACCESSOR else None
         if self.base is None:
@@ -86,7 +89,7 @@ class TrainingBlock(blocks.Block):
         inits = {i.name: i for i in model.graph.initializer}
         self._parameters = ([inits[n] for n in inits if n in self._requires_grad],
                             [inits[n] for n in inits if n in self._frozen_params])
-        loss_model = ir.from_proto(model)
+        loss_model = load_model(model)  # NOTE: the default opset raised to what onnxopt's gradient rules write
         grads = [n for n in self._requires_grad if n in inits or n in {i.name for i in model.graph.input}]
         frozen = [n for n in self._frozen_params if n in inits]
         self._training_model = artifacts.training_model(loss_model, grads, frozen, [])
