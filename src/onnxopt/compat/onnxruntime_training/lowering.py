@@ -68,6 +68,10 @@ class OptimizerSpec:
     def moments(self) -> int:
         return 2 if self.kind == "AdamW" else 1
 
+    @property
+    def updated_moments(self) -> int:
+        return 2 if self.kind == "AdamW" else 0
+
 
 def optimizer_spec(proto: onnx.ModelProto) -> OptimizerSpec:
     """Reads the optimizer node of onnxruntime's optimizer model (one AdamWOptimizer or SGDOptimizerV2)."""
@@ -88,7 +92,7 @@ def update_model(spec: OptimizerSpec, params: Sequence[tuple[str, np.dtype, tupl
                  ) -> onnx.ModelProto:
     """The optimizer step as a standard ONNX model. Inputs: ``learning_rate`` [1], ``step`` [1] (the step
     count after this update, as onnxruntime feeds its kernel), then per parameter ``p``, ``g``, its moments;
-    outputs: per parameter the new ``p`` and moments (``<name>.next``), the formulas of onnxruntime's CPU
+    outputs: per parameter the new ``p`` and AdamW's moments (``<name>.next``), the formulas of onnxruntime's CPU
     kernels (AdamW modes 0 = PyTorch and 1 = Hugging Face, with or without bias correction)."""
     tape = ir.tape.Tape()
     f32 = ir.DataType.FLOAT
@@ -128,8 +132,8 @@ def update_model(spec: OptimizerSpec, params: Sequence[tuple[str, np.dtype, tupl
         g = used[name]
         moments = [value(f"{name}.momentum{i}", shape=shape) for i in range(spec.moments)]
         inputs += [p0, grads[name], *moments]
-        if spec.kind == "SGD":
-            new = [tape.op("Sub", [p, tape.op("Mul", [lr, g])]), *moments]
+        if spec.kind == "SGD":  # NOTE: its moment is never read or written: fed through, not copied
+            new = [tape.op("Sub", [p, tape.op("Mul", [lr, g])])]
         else:
             if mode == 0:
                 p = tape.op("Sub", [p, tape.op("Mul", [tape.op("Mul", [p, lr]), c(wd)])])
@@ -147,8 +151,6 @@ def update_model(spec: OptimizerSpec, params: Sequence[tuple[str, np.dtype, tupl
                 raise ModelError(f"optimizer model: AdamWOptimizer adam_mode must be 0 or 1, got {mode}")
             new = [p, m1, m2]
         for old, out in zip([p0, *moments], new):
-            if out is old:
-                out = tape.op("Identity", [old])
             out.name, out.type, out.shape = old.name + NEXT, old.type, old.shape
             outputs.append(out)
         if spec.clip is not None:  # NOTE: the clipped gradient, which onnxruntime leaves in the buffer
