@@ -204,9 +204,23 @@ def _providers(device: str) -> list[str]:
     raise ValueError(f"device: expected 'cpu' (or 'cuda' with onnxruntime-gpu), got {device!r}")
 
 
-def _run(session: ort.InferenceSession, names: list[str], feeds: dict, strings: bool) -> list[ort.OrtValue]:
+def _run(session: ort.InferenceSession, names: list[str], feeds: dict, strings: bool = False) -> list[ort.OrtValue]:
+    """``names`` computed from ``feeds`` (OrtValues), as new OrtValues."""
     if not strings:
-        return session.run_with_ort_values(names, feeds)
+        # NOTE: through an IOBinding kept per session and output list: onnxruntime >= 1.2x's
+        # run_with_ort_values checks every feed in Python, ~80 us a call, most of a small model's step
+        # (outputs bound afresh each call: a bound output of the last call would be written over, and the
+        # state holds it)
+        binding = getattr(session, "_onnxopt_binding", None)
+        if binding is None:
+            binding = session._onnxopt_binding = session.io_binding()
+        binding.clear_binding_outputs()
+        for name in names:
+            binding.bind_output(name, "cpu")
+        for name, value in feeds.items():
+            binding.bind_ortvalue_input(name, value)
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()
     feeds = {k: v.numpy() if isinstance(v, ort.OrtValue) else v for k, v in feeds.items()}
     return [_ortvalue(v) for v in session.run(names, feeds)]
 
@@ -396,7 +410,7 @@ class Optimizer:
         for n in self._names:
             feeds[n], feeds[n + ".grad"] = state._values[n], state._grads[n]
             feeds.update({f"{n}.momentum{i}": m for i, m in enumerate(self._moments[n])})
-        outs = iter(self._update.run_with_ort_values(self._outputs, feeds))
+        outs = iter(_run(self._update, self._outputs, feeds))
         for n in self._names:
             state._values[n] = next(outs)
             if self._spec.updated_moments:
