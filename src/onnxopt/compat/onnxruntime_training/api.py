@@ -204,8 +204,15 @@ def _providers(device: str) -> list[str]:
     raise ValueError(f"device: expected 'cpu' (or 'cuda' with onnxruntime-gpu), got {device!r}")
 
 
+# NOTE: onnxruntime 1.19's IOBinding.get_outputs() returns views of the binding's outputs, released at the next
+# clear_binding_outputs(); from 1.22 (this package's stock minimum) they are OrtValues of their own
+_BIND = tuple(int(v) for v in ort.__version__.split(".")[:2]) >= (1, 22)
+
+
 def _run(session: ort.InferenceSession, names: list[str], feeds: dict, strings: bool = False) -> list[ort.OrtValue]:
     """``names`` computed from ``feeds`` (OrtValues), as new OrtValues."""
+    if not strings and not _BIND:
+        return session.run_with_ort_values(names, feeds)
     if not strings:
         # NOTE: through an IOBinding kept per session and output list: onnxruntime >= 1.2x's
         # run_with_ort_values checks every feed in Python, ~80 us a call, most of a small model's step
