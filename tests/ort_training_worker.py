@@ -59,6 +59,22 @@ def parity(model, folder, loss, optim, data, steps, lr):
     train(f"{folder}/onnxopt", data, steps, f"{folder}/onnxopt.npz", lr)
 
 
+def schedule(folder, out, warmup, total, lr):
+    """The learning rates its LinearLRScheduler sets after construction and after each of 8 steps."""
+    from onnxruntime.training import api
+
+    state = api.CheckpointState.load_checkpoint(f"{folder}/checkpoint")
+    module = api.Module(f"{folder}/training_model.onnx", state)
+    optimizer = api.Optimizer(f"{folder}/optimizer_model.onnx", module)
+    scheduler = api.LinearLRScheduler(optimizer, int(warmup), int(total), float(lr))
+    rates = [optimizer.get_learning_rate()]
+    for _ in range(8):
+        optimizer.step()
+        scheduler.step()
+        rates.append(optimizer.get_learning_rate())
+    np.save(out, np.array(rates))
+
+
 def checkpoint(path, out):
     from onnxruntime.training import api
 
@@ -74,4 +90,5 @@ def checkpoint(path, out):
 
 
 if __name__ == "__main__":
-    {"generate": generate, "train": train, "checkpoint": checkpoint, "parity": parity}[sys.argv[1]](*sys.argv[2:])
+    {"generate": generate, "train": train, "checkpoint": checkpoint, "parity": parity,
+     "schedule": schedule}[sys.argv[1]](*sys.argv[2:])

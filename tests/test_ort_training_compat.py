@@ -198,3 +198,43 @@ def test_checkpoint_from_and_to_onnxruntime(tmp_path):
     assert sorted(json.loads(str(seen["names"]))) == sorted(ckpt.requires_grad_params)
     for k, v in ckpt.requires_grad_params.items():
         np.testing.assert_array_equal(seen[f"param:{k}"], v)
+
+
+@pytest.mark.parametrize(("warmup", "total"), [(2, 6), (3, 3), (0, 4)])
+def test_linear_lr_scheduler_as_onnxruntime(tmp_path, warmup, total):
+    """The rates onnxruntime-training's Python LinearLRScheduler sets (its binding swaps warmup and total)."""
+    model = mlp()
+    artifacts.generate_artifacts(model, requires_grad=[i.name for i in model.graph.initializer],
+                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    state = api.CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = api.Module(tmp_path / "training_model.onnx", state)
+    optimizer = api.Optimizer(tmp_path / "optimizer_model.onnx", module)
+    scheduler = api.LinearLRScheduler(optimizer, warmup, total, 0.5)
+    ours = [optimizer.get_learning_rate()]
+    for _ in range(8):
+        optimizer.step()
+        scheduler.step()
+        ours.append(optimizer.get_learning_rate())
+    run_reference("schedule", tmp_path, tmp_path / "rates.npy", warmup, total, 0.5)
+    np.testing.assert_allclose(ours, np.load(tmp_path / "rates.npy"), rtol=1e-6)
+
+
+def test_kernel_without_lowering_is_named(tmp_path):
+    model = mlp()
+    artifacts.generate_artifacts(model, requires_grad=[i.name for i in model.graph.initializer],
+                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=tmp_path)
+    train_model = onnx.load(tmp_path / "training_model.onnx")
+    relu = next(n for n in train_model.graph.node if n.op_type == "Relu")
+    relu.op_type, relu.domain = "MadeUpGrad", "com.microsoft"
+    onnx.save(train_model, tmp_path / "odd.onnx")
+    state = api.CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    with pytest.raises(ModelError, match="MadeUpGrad"):
+        api.Module(tmp_path / "odd.onnx", state)
+    opt_model = onnx.load(tmp_path / "optimizer_model.onnx")
+    opt_model.graph.node[0].op_type = "LambOptimizer"
+    onnx.save(opt_model, tmp_path / "odd_optimizer.onnx")
+    module = api.Module(tmp_path / "training_model.onnx", state)
+    with pytest.raises(ModelError, match="LambOptimizer"):
+        api.Optimizer(tmp_path / "odd_optimizer.onnx", module)
