@@ -238,3 +238,38 @@ def test_kernel_without_lowering_is_named(tmp_path):
     module = api.Module(tmp_path / "training_model.onnx", state)
     with pytest.raises(ModelError, match="LambOptimizer"):
         api.Optimizer(tmp_path / "odd_optimizer.onnx", module)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("ignore_index", [None, 1])
+def test_softmax_cross_entropy_loss_grad_lowering(reduction, weighted, ignore_index):
+    """onnxruntime's SoftmaxCrossEntropyLossGrad lowered to standard ops == torch autograd's gradient."""
+    torch = pytest.importorskip("torch")
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from onnxopt.passes.lower import lower_training_ops
+
+    rng = np.random.default_rng(0)
+    scores = rng.normal(size=(6, 4)).astype(np.float32)
+    labels = np.array([0, 1, 3, 1, 2, 0], np.int64)
+    weight = rng.uniform(0.5, 2.0, size=4).astype(np.float32)
+    t = torch.tensor(scores, requires_grad=True)
+    loss = torch.nn.functional.cross_entropy(t, torch.tensor(labels), weight=torch.tensor(weight) if weighted else None,
+                                             ignore_index=-100 if ignore_index is None else ignore_index,
+                                             reduction=reduction)
+    dy = np.ones(6, np.float32) * 0.5 if reduction == "none" else np.array(0.5, np.float32)
+    loss.backward(torch.tensor(dy))
+    inputs = ["dy", "log_prob", "labels"] + (["weight"] if weighted else [])
+    attrs = {"reduction": reduction} | ({"ignore_index": ignore_index} if ignore_index is not None else {})
+    node = oh.make_node("SoftmaxCrossEntropyLossGrad", inputs, ["dx"], domain="com.microsoft", **attrs)
+    vi = [oh.make_tensor_value_info("dy", 1, list(dy.shape)), oh.make_tensor_value_info("log_prob", 1, [6, 4]),
+          oh.make_tensor_value_info("labels", 7, [6])] + ([oh.make_tensor_value_info("weight", 1, [4])] if weighted else [])
+    graph = oh.make_graph([node], "g", vi, [oh.make_tensor_value_info("dx", 1, [6, 4])])
+    model = ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("com.microsoft", 1)]))
+    lowered = ir.to_proto(lower_training_ops(model))
+    log_prob = torch.log_softmax(torch.tensor(scores), 1).numpy()
+    feeds = {"dy": dy, "log_prob": log_prob, "labels": labels} | ({"weight": weight} if weighted else {})
+    got = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-5, atol=1e-6)
