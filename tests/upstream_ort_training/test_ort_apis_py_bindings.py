@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from onnxruntime import InferenceSession, OrtValue, get_available_providers  # noqa: E402
-from test_ort_apis_onnxblock import _get_models  # noqa: E402
+from upstream_ort_training.test_ort_apis_onnxblock import _get_models  # noqa: E402
 
 import onnxopt.compat.onnxruntime_training.onnxblock as onnxblock  # noqa: E402
 from onnxopt.compat.onnxruntime_training import artifacts  # noqa: E402
