@@ -267,7 +267,8 @@ def test_softmax_cross_entropy_loss_grad_lowering(reduction, weighted, ignore_in
     vi = [oh.make_tensor_value_info("dy", 1, list(dy.shape)), oh.make_tensor_value_info("log_prob", 1, [6, 4]),
           oh.make_tensor_value_info("labels", 7, [6])] + ([oh.make_tensor_value_info("weight", 1, [4])] if weighted else [])
     graph = oh.make_graph([node], "g", vi, [oh.make_tensor_value_info("dx", 1, [6, 4])])
-    model = ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("com.microsoft", 1)]))
+    model = ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("com.microsoft", 1)],
+                                        ir_version=8))
     lowered = ir.to_proto(lower_training_ops(model))
     log_prob = torch.log_softmax(torch.tensor(scores), 1).numpy()
     feeds = {"dy": dy, "log_prob": log_prob, "labels": labels} | ({"weight": weight} if weighted else {})

@@ -554,8 +554,14 @@ def softmax_cross_entropy_loss_grad(op, dy, log_prob, label, weight=None, ignore
         w = op.CastLike(op.Expand(op.Constant(value_float=1.0), op.Shape(label)), log_prob)
     if keep is not None:
         w = op.Mul(w, op.CastLike(keep, w))
+    # NOTE: one-hot as label == class index, broadcast: onnxruntime has no float64 OneHot
     depth = op.Slice(op.Shape(log_prob), op.ints([1]), op.ints([2]))
-    onehot = op.OneHot(label, depth, op.CastLike(op.Constant(value_floats=[0.0, 1.0]), log_prob), axis=1)
+    scalar = op.Constant(value=ir.tensor(np.array(0, np.int64))), op.Constant(value=ir.tensor(np.array(1, np.int64)))
+    ones = op.ConstantOfShape(op.Sub(op.Shape(op.Shape(label)), op.ints([1])), value=ir.tensor(np.array([1], np.int64)))
+    classes = op.Reshape(op.Range(scalar[0], op.Squeeze(depth, op.ints([0])), scalar[1]),
+                         op.Concat(op.ints([1]), depth, ones, axis=0))
+    label64 = op.Cast(label, to=ir.DataType.INT64)
+    onehot = op.CastLike(op.Equal(op.Unsqueeze(label64, op.ints([1])), classes), log_prob)
     per = op.Unsqueeze(w, op.ints([1]))
     if reduction == "none":
         scale = op.Unsqueeze(op.Mul(dy, w), op.ints([1]))
