@@ -128,6 +128,17 @@ def _cases():
         "BroadcastGradientArgs-same-rank": ({"A": np.array([1, 4]), "B": np.array([3, 4])}, {}, [(1,), (0,)]),
         "DropoutGrad": ({"dY": a, "mask": R.uniform(size=(3, 4)) > 0.3, "ratio": np.array(0.3)}, {}, [(3, 4)]),
         "DropoutGrad-default-ratio": ({"dY": a, "mask": R.uniform(size=(3, 4)) > 0.5}, {}, [(3, 4)]),
+        "SoftmaxCrossEntropyLossGrad": ({"dY": np.array(0.5), "log_prob": np.log(_softmax(R.normal(size=(6, 4)), 1)),
+                                         "label": np.array([0, 1, 3, 1, 2, 0])}, {"reduction": "mean"}, [(6, 4)]),
+        "SoftmaxCrossEntropyLossGrad-weighted": ({"dY": np.array(0.5), "log_prob": np.log(_softmax(b, 1)),
+                                                  "label": np.array([0, 1, 1]), "weight": R.uniform(0.5, 2, 4)},
+                                                 {"reduction": "mean", "ignore_index": 1}, [(3, 4)]),
+        "SoftmaxCrossEntropyLossGrad-sum": ({"dY": np.array(2.0), "log_prob": np.log(_softmax(b, 1)),
+                                             "label": np.array([3, 1, 0])}, {"reduction": "sum"}, [(3, 4)]),
+        "SoftmaxCrossEntropyLossInternal": ({"scores": b, "label": np.array([3, 1, 0])}, {"reduction": "mean"},
+                                            [(), (3, 4)]),
+        "SoftmaxCrossEntropyLossInternalGrad": ({"dY": np.array(0.5), "log_prob": np.log(_softmax(b, 1)),
+                                                 "label": np.array([2, 1, 0])}, {"reduction": "mean"}, [(3, 4)]),
         "AveragePoolGrad-pads-included": _pool_case("AveragePoolGrad", (1, 2, 6, 7), kernel_shape=[3, 3],
                                                     strides=[2, 1], pads=[1, 1, 1, 1], count_include_pad=1),
     }
@@ -214,11 +225,11 @@ def test_lowering_matches_training_kernel(case, dtype):
 
 
 def test_unknown_op_is_refused_by_name():
-    node = oh.make_node("SoftmaxCrossEntropyLossInternalGrad", ["a", "b"], ["c"], domain=MS, name="sce_grad")
+    node = oh.make_node("MadeUpKernelGrad", ["a", "b"], ["c"], domain=MS, name="sce_grad")
     graph = oh.make_graph([node], "g", [oh.make_tensor_value_info(n, 1, [2]) for n in "ab"],
                           [oh.make_tensor_value_info("c", 1, [2])])
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid(MS, 1)])
-    with pytest.raises(ModelError, match=r"com.microsoft::SoftmaxCrossEntropyLossInternalGrad \(node 'sce_grad'\)"):
+    with pytest.raises(ModelError, match=r"com.microsoft::MadeUpKernelGrad \(node 'sce_grad'\)"):
         lower_training_ops(ir.from_proto(model))
     with pytest.raises(ModelError, match="outside"):
         check_portable(model)

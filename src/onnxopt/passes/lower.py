@@ -525,6 +525,69 @@ def simplified_layer_norm_grad(op, dy, x, scale, inv_std, axis: int = -1, **_):
     return dx, dscale
 
 
+def _sce_weights(op, label, weight, ignore_index):
+    """Each sample's weight (``weight[label]``, None without weights), the labels to one-hot (0 where ignored)
+    and the mask of the samples kept (None without ``ignore_index``)."""
+    keep = None
+    if ignore_index is not None:
+        keep = op.Not(op.Equal(label, op.CastLike(op.Constant(value_int=int(ignore_index)), label)))
+        label = op.Where(keep, label, op.CastLike(op.Constant(value_int=0), label))
+    return (op.Gather(weight, label, axis=0) if weight is not None else None), label, keep
+
+
+def _const_int(value) -> int | None:
+    if value is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is None:
+        raise ModelError(f"portable: ignore_index {value.name!r} of SoftmaxCrossEntropyLossInternal must be a constant")
+    return int(tensor.numpy().reshape(-1)[0])
+
+
+def softmax_cross_entropy_loss_grad(op, dy, log_prob, label, weight=None, ignore_index_input=None, reduction="mean",
+                                    ignore_index=None, **_):
+    """d scores of SoftmaxCrossEntropyLoss: (softmax - onehot(label)) * w, times dY (per sample for 'none', a
+    scalar for 'sum', divided by the sum of the weights for 'mean')."""
+    ignore_index = _const_int(ignore_index_input) if ignore_index_input is not None else ignore_index
+    w, label, keep = _sce_weights(op, label, weight, ignore_index)
+    if w is None:
+        w = op.CastLike(op.Expand(op.Constant(value_float=1.0), op.Shape(label)), log_prob)
+    if keep is not None:
+        w = op.Mul(w, op.CastLike(keep, w))
+    # NOTE: one-hot as label == class index, broadcast: onnxruntime has no float64 OneHot
+    depth = op.Slice(op.Shape(log_prob), op.ints([1]), op.ints([2]))
+    scalar = op.Constant(value=ir.tensor(np.array(0, np.int64))), op.Constant(value=ir.tensor(np.array(1, np.int64)))
+    ones = op.ConstantOfShape(op.Sub(op.Shape(op.Shape(label)), op.ints([1])), value=ir.tensor(np.array([1], np.int64)))
+    classes = op.Reshape(op.Range(scalar[0], op.Squeeze(depth, op.ints([0])), scalar[1]),
+                         op.Concat(op.ints([1]), depth, ones, axis=0))
+    label64 = op.Cast(label, to=ir.DataType.INT64)
+    onehot = op.CastLike(op.Equal(op.Unsqueeze(label64, op.ints([1])), classes), log_prob)
+    per = op.Unsqueeze(w, op.ints([1]))
+    if reduction == "none":
+        scale = op.Unsqueeze(op.Mul(dy, w), op.ints([1]))
+    elif reduction == "sum":
+        scale = op.Mul(per, dy)
+    else:
+        scale = op.Mul(per, op.Div(dy, op.ReduceSum(w, keepdims=0)))
+    return op.Mul(op.Sub(op.Exp(log_prob), onehot), scale)
+
+
+def softmax_cross_entropy_loss_internal(op, scores, label, weight=None, ignore_index=None, reduction="mean",
+                                        output_type=None, **_):
+    """onnxruntime's SoftmaxCrossEntropyLossInternal (ignore_index as an input) as the standard op."""
+    index = _const_int(ignore_index)
+    attrs = {"reduction": reduction} | ({"ignore_index": index} if index is not None else {})
+    outs = op.SoftmaxCrossEntropyLoss(scores, label, *([weight] if weight is not None else []), _outputs=2, **attrs)
+    return outs
+
+
+def softmax_cross_entropy_loss_internal_grad(op, dy, log_prob, label, weight=None, ignore_index=None,
+                                             bias=None, reduction="mean", output_type=None, **_):
+    if bias is not None:
+        raise ModelError("portable: SoftmaxCrossEntropyLossInternalGrad with a bias input has no lowering yet")
+    return softmax_cross_entropy_loss_grad(op, dy, log_prob, label, weight, ignore_index, reduction)
+
+
 # NOTE: found by compiling steps for the models onnxopt supports (MLPs with every activation, losses, updates,
 # penalties, float32/64, torch.onnx exports of CNNs, LayerNorm, Gather/Slice/Concat models): see docs/portable.md
 LOWERINGS = {
@@ -559,6 +622,9 @@ LOWERINGS = {
     (MS, "DropoutGrad"): dropout_grad,
     ("", "MaxPoolGrad"): max_pool_grad,
     ("", "AveragePoolGrad"): average_pool_grad,
+    (MS, "SoftmaxCrossEntropyLossGrad"): softmax_cross_entropy_loss_grad,
+    (MS, "SoftmaxCrossEntropyLossInternal"): softmax_cross_entropy_loss_internal,
+    (MS, "SoftmaxCrossEntropyLossInternalGrad"): softmax_cross_entropy_loss_internal_grad,
 }
 
 
