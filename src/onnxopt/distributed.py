@@ -38,6 +38,7 @@ __all__ = ["DataParallelRunner", "DistributedError", "split_step", "world", "TIM
 
 GRADS = "optim.grads"
 TIMEOUT = float(os.environ.get("ONNXOPT_TIMEOUT", 300))  # NOTE: seconds a collective waits for the other ranks
+COMPRESS = {"bf16": "bfloat16", "fp16": "float16"}  # NOTE: the 16-bit floats a compressed all-reduce sends
 
 
 class DistributedError(OnnxoptError, RuntimeError):
@@ -170,20 +171,114 @@ def _lean(proto):
     return ir.to_proto(m)
 
 
+class _Gloo:
+    """The all-reduce through torch.distributed: in place on a buffer torch owns, in ``buckets`` slices issued at
+    once as asynchronous work (gloo's threads run them side by side) and waited for together; with ``compress``
+    each slice travels as a 16-bit float (as DDP's fp16/bf16 compression hooks), the loss in full precision."""
+
+    def __init__(self, dist, size: int, dtype, buckets: int, compress: str | None):
+        import torch
+
+        # NOTE: torch owns the memory (numpy and ORT read it): freeing the tensor in a gloo thread needs no GIL
+        self._dist, self._wire = dist, getattr(torch, COMPRESS[compress]) if compress else None
+        self._tensor = torch.zeros(size + 1, dtype=getattr(torch, np.dtype(dtype).name))
+        self.buffer = self.result = self._tensor.numpy()
+        sent = size if compress else size + 1  # NOTE: compressed, the loss rides alone in full precision
+        bounds = [sent * i // buckets for i in range(buckets + 1)]
+        self._parts = [self._tensor[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+        if compress:
+            self._parts.append(self._tensor[size:])
+
+    def reduce(self) -> None:
+        pending = []
+        for k, part in enumerate(self._parts):
+            sent = part if self._wire is None or k == len(self._parts) - 1 else part.to(self._wire)
+            pending.append((part, sent, self._dist.all_reduce(sent, async_op=True)))
+        for part, sent, work in pending:
+            work.wait()
+            if sent is not part:
+                part.copy_(sent)
+
+
+class _Shared:
+    """The all-reduce of ranks on one host through one shared-memory file all of them map: rank r's gradient step
+    writes into slot r, each rank sums its chunk of every slot into the result, which every update reads: no
+    socket and no copy, two barriers a step. ``open`` returns None unless every rank could map the file."""
+
+    def __init__(self, dist, slots: np.ndarray, rank: int, world: int):
+        size = slots.shape[1]
+        self._dist, self._slots, self._chunk = dist, slots[:world], slice(size * rank // world, size * (rank + 1) // world)
+        self.buffer, self.result = slots[rank], slots[world]
+
+    @classmethod
+    def open(cls, dist, rank: int, world: int, size: int, dtype) -> _Shared | None:
+        import mmap
+        import secrets
+        import tempfile
+
+        shape, head = (world + 1, size + 1), 64  # NOTE: the header holds a token: the file is this group's
+        nbytes = head + math.prod(shape) * np.dtype(dtype).itemsize
+        info = [None]
+        if rank == 0:
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            fd, path = tempfile.mkstemp(prefix="onnxopt-allreduce-", dir=folder)
+            token = secrets.token_bytes(16)
+            os.ftruncate(fd, nbytes)
+            os.pwrite(fd, token, 0)
+            os.close(fd)
+            info = [(path, token)]
+        dist.broadcast_object_list(info, src=0)
+        path, token = info[0]
+        slots = None
+        try:
+            with open(path, "r+b") as f:
+                mapped = mmap.mmap(f.fileno(), nbytes)
+            if mapped[:len(token)] == token:
+                slots = np.frombuffer(mapped, dtype, math.prod(shape), head).reshape(shape)
+        except (OSError, ValueError):
+            pass
+        found = [None] * world
+        dist.all_gather_object(found, slots is not None)
+        if rank == 0:  # NOTE: unlinked once mapped: the memory goes with the last rank, even one killed
+            os.unlink(path)
+        return cls(dist, slots, rank, world) if all(found) else None
+
+    def reduce(self) -> None:
+        self._dist.barrier()  # NOTE: every slot written
+        parts, out = self._slots[:, self._chunk], self.result[self._chunk]
+        np.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            np.add(out, part, out=out)
+        self._dist.barrier()  # NOTE: the result whole; the next step's writes wait for every update to read it
+
+
 class DataParallelRunner:
     """A ``Runner`` for one rank: ``step``/``epoch`` take the *global* batch and train this rank's rows of it.
 
-    Rank r of N trains rows [n·r/N, n·(r+1)/N) of each batch of n rows. Weights, state, ``export`` and the rest
-    of the ``Runner`` API come from the update step's Runner (``updater``); rank 0 alone writes checkpoints.
+    Rank r of N trains rows [n·r/N, n·(r+1)/N) of each batch of n rows, in ``sync_every`` micro-batches whose
+    gradients it accumulates before the all-reduce and the update: the weights of one process with batch n.
+    ``transport``: "shm" (ranks on one host: a shared-memory all-reduce), "gloo" (torch.distributed, in
+    ``buckets`` asynchronous slices, ``compress``="bf16" or "fp16" to halve the bytes sent: not bit-equal) or
+    "auto" (shm where every rank maps it and nothing is compressed, else gloo). Weights, state, ``export`` and the
+    rest of the ``Runner`` API come from the update step's Runner (``updater``); rank 0 alone writes checkpoints.
     """
 
     def __init__(self, grad: TrainStep, update: TrainStep, device: str = "cpu", batch_size: int = 32,
-                 session_options: ort.SessionOptions | None = None):
+                 session_options: ort.SessionOptions | None = None, sync_every: int = 1, compress: str | None = None,
+                 transport: str = "auto", buckets: int = 1):
         if device != "cpu":
             raise DataError(f"device: data-parallel training runs on 'cpu' (gloo) so far, got {device!r}; "
                             "docs/tutorials/distributed.md describes the CUDA (NCCL) design")
+        for name, value, ok, expected in (
+                ("sync_every", sync_every, type(sync_every) is int and sync_every >= 1, "an integer >= 1"),
+                ("buckets", buckets, type(buckets) is int and buckets >= 1, "an integer >= 1"),
+                ("compress", compress, compress in (None, *COMPRESS), f"None or one of {sorted(COMPRESS)}"),
+                ("transport", transport, transport in ("auto", "gloo", "shm") and not (compress and transport == "shm"),
+                 "'auto', 'gloo' or 'shm' ('shm' sends nothing to compress)")):
+            if not ok:
+                raise DataError(f"{name}: expected {expected}, got {value!r}")
         self.rank, self.world, self._dist = world()
-        self.train_step, self.device, self.batch_size = grad, device, batch_size
+        self.train_step, self.device, self.batch_size, self.sync_every = grad, device, batch_size, sync_every
         weights = grad.initial_weights()
         self._size = sum(a.size for a in weights.values())
         self._grad_shapes = {name: weights[name].shape for name in grad.weights}  # NOTE: the flat buffer's order
@@ -197,22 +292,32 @@ class DataParallelRunner:
 
         self.updater = Runner(update, device, session_options=options(1), batch_size=1)
         self.session = ort.InferenceSession(_without_values(grad.model, weights),
-                                            options(max(1, batch_size // self.world)), providers=["CPUExecutionProvider"])
+                                            options(max(1, batch_size // (self.world * sync_every))),
+                                            providers=["CPUExecutionProvider"])
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.x_dtype = _numpy(types[grad.inputs[0]])
         self._y_dtype = _numpy(types[grad.target]) if grad.target else None
-        self._buffer = np.zeros(self._size + 1, self.updater.dtype)  # NOTE: [Σ s·g, Σ s·loss], all-reduced
-        if self._dist is not None:  # NOTE: torch owns the memory (numpy and ORT read it): freeing the tensor in a
-            import torch  # gloo thread needs no GIL, which a tensor over a numpy array's memory would take
-
-            self._tensor = torch.zeros(self._buffer.shape, dtype=getattr(torch, self._buffer.dtype.name))
-            self._buffer = self._tensor.numpy()
+        digest = hashlib.sha256(grad.model.SerializeToString() + update.model.SerializeToString()).hexdigest()
+        self._agree("the compiled steps (model, loss, update, options)",
+                    (digest[:16], sync_every, compress, transport, buckets))
+        self.transport, self._reducer = None, None  # NOTE: one rank reduces nothing
+        if self._dist is not None and self.world > 1:
+            if transport != "gloo" and not compress:
+                self._reducer = _Shared.open(self._dist, self.rank, self.world, self._size, self.updater.dtype)
+                if self._reducer is None and transport == "shm":
+                    raise DistributedError("transport: 'shm' needs every rank on one host, mapping one shared-memory "
+                                           "file; some rank could not (use transport='auto' or 'gloo')")
+            if self._reducer is None:
+                self._reducer = _Gloo(self._dist, self._size, self.updater.dtype, buckets, compress)
+            self.transport = "shm" if isinstance(self._reducer, _Shared) else "gloo"
+        # NOTE: [Σ s·g, Σ s·loss]: the gradient step writes it, the all-reduce sums it into ``_result``
+        self._buffer = self._reducer.buffer if self._reducer else np.zeros(self._size + 1, self.updater.dtype)
+        self._result = self._reducer.result if self._reducer else self._buffer
+        self._scratch = np.zeros_like(self._buffer) if sync_every > 1 else None  # NOTE: micro-batches after the first
         self._loss = np.zeros((), self.updater.dtype)
         self._ones_cache = np.ones(0, self.updater.dtype)
-        self._bindings: dict[int, ort.IOBinding] = {}
+        self._bindings: dict[tuple[int, bool], ort.IOBinding] = {}
         self._checked = False
-        digest = hashlib.sha256(grad.model.SerializeToString() + update.model.SerializeToString()).hexdigest()
-        self._agree("the compiled steps (model, loss, update, options)", digest[:16])
 
     def __getattr__(self, name: str):  # NOTE: get_weights, set_weights, export, dtype, step_count... of the updater
         if name == "updater":
@@ -246,64 +351,73 @@ class DataParallelRunner:
             self._ones_cache = np.ones(rows, self.updater.dtype)
         return self._ones_cache
 
-    def _binding(self) -> ort.IOBinding:
-        """The gradient session's binding reading the updater's current weights (one per buffer set)."""
-        key = self.updater._current
+    def _binding(self, scratch: bool) -> ort.IOBinding:
+        """The gradient session's binding reading the updater's current weights and writing into the flat buffer
+        (or, for a micro-batch after the first, the scratch one): one per buffer set and target."""
+        key = (self.updater._current, scratch)
         if key not in self._bindings:
             binding = self.session.io_binding()
             for name, value in self.updater.current_values().items():
                 if name in self.train_step.weights:
                     binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(self.train_step.loss, ort.OrtValue.ortvalue_from_numpy(self._loss))
-            offset = 0
+            flat, offset = self._scratch if scratch else self._buffer, 0
             for name, shape in self._grad_shapes.items():
                 size = int(np.prod(shape))
-                view = self._buffer[offset:offset + size].reshape(shape)
+                view = flat[offset:offset + size].reshape(shape)
                 binding.bind_ortvalue_output(f"{GRADS}/{name}", ort.OrtValue.ortvalue_from_numpy(view))
                 offset += size
             self._bindings[key] = binding
         return self._bindings[key]
 
     def step(self, X, y=None, sample_weight=None) -> float:
-        """One step on the global batch (X, y, sample_weight): this rank's rows, the all-reduce, the update."""
+        """One update on the global batch (X, y, sample_weight): this rank's rows in ``sync_every`` micro-batches,
+        their gradients accumulated, the all-reduce, the update; returns the batch's loss."""
         X = as_array(X, self.x_dtype, "X")
-        n, step = len(X), self.train_step
+        n, step, size = len(X), self.train_step, self._size
         if not self._checked:  # NOTE: once: schemas and the step counter (a resume from another checkpoint)
             shape = lambda a: None if a is None else (np.shape(a)[1:], str(np.asarray(a).dtype))  # noqa: E731
             self._agree("the data schema and step count (X, y, sample_weight, batch rows, steps done)",
                         (shape(X), shape(y), shape(sample_weight), n, self.updater.step_count))
             self._checked = True
         lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
-        if sample_weight is None:
-            sw, weight, total = None, hi - lo, n
-        else:  # NOTE: every rank holds the global batch's weights: its share needs no collective
-            sw = as_array(sample_weight, self.updater.dtype, "sample_weight")
-            weight, total = float(sw[lo:hi].sum(dtype=np.float64)), float(sw.sum(dtype=np.float64))
-            sw = sw[lo:hi]
-        share = weight / total if total else math.nan  # NOTE: 1 on one rank: no pass over the gradients
-        buf = self._buffer
-        if weight > 0:
-            binding = self._binding()
-            target = None if y is None else as_array(y, self._y_dtype, "y")[lo:hi]
-            feeds = {step.inputs[0]: X[lo:hi], step.target: target,
-                     step.sample_weight: self._ones(hi - lo) if sw is None else sw}
+        sw = None if sample_weight is None else as_array(sample_weight, self.updater.dtype, "sample_weight")
+        total = n if sw is None else float(sw.sum(dtype=np.float64))  # NOTE: every rank holds the global batch's
+        target = None if y is None else as_array(y, self._y_dtype, "y")  # weights: its share needs no collective
+        buf, first, k = self._buffer, True, self.sync_every
+        for j in range(k):
+            a, b = lo + (hi - lo) * j // k, lo + (hi - lo) * (j + 1) // k
+            weight = b - a if sw is None else float(sw[a:b].sum(dtype=np.float64))
+            if not weight > 0:
+                continue
+            share = weight / total  # NOTE: 1 on one rank and micro-batch: no pass over the gradients
+            feeds = {step.inputs[0]: X[a:b], step.target: None if target is None else target[a:b],
+                     step.sample_weight: self._ones(b - a) if sw is None else sw[a:b]}
+            binding = self._binding(scratch=not first)
             for name, value in feeds.items():
                 if name is not None:
                     binding.bind_cpu_input(name, np.ascontiguousarray(value))
             self.session.run_with_iobinding(binding)
-            if share != 1:
-                np.multiply(buf[:self._size], share, out=buf[:self._size])
-            buf[self._size] = float(self._loss) * share
-        else:
+            if first:
+                if share != 1:
+                    np.multiply(buf[:size], share, out=buf[:size])
+                buf[size] = float(self._loss) * share
+            else:
+                part = self._scratch[:size]
+                np.multiply(part, share, out=part)
+                np.add(buf[:size], part, out=buf[:size])
+                buf[size] += float(self._loss) * share
+            first = False
+        if first:  # NOTE: no rows (or weight) here: this rank adds zeros
             buf[:] = 0
-        if self._dist is not None:
-            self._collective(lambda: self._dist.all_reduce(self._tensor), "the gradient all-reduce")
-        loss = float(buf[self._size])
+        if self._reducer is not None:
+            self._collective(self._reducer.reduce, "the gradient all-reduce")
+        loss = float(self._result[size])
         if not math.isfinite(loss):
             raise ConvergenceError(f"loss became {loss} at step {self.updater.step_count + 1}; the weights are "
                                    f"those that gave the last finite loss (step {self.updater.step_count}), see "
                                    "get_weights()")
-        self.updater.step(buf[:self._size])
+        self.updater.step(self._result[:size])
         return loss
 
     def epoch(self, X, y=None, sample_weight=None, batch_size: int | None = None) -> np.ndarray:
