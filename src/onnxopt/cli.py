@@ -272,6 +272,8 @@ def _fit(args: argparse.Namespace) -> int:
     X, y = load_data(args.data, args.target, features)  # NOTE: the Trainer casts them to the model's dtype
     if args.workers < 1:
         raise _Fail(f"--workers: expected an integer >= 1, got {args.workers}")
+    if args.sync_every < 1:
+        raise _Fail(f"--sync-every: expected an integer >= 1, got {args.sync_every}")
     if not 0 <= args.validation_fraction < 1:
         raise _Fail(f"--validation-fraction: expected a fraction in [0, 1), got {args.validation_fraction}")
     done = _checkpoint_epochs(args.checkpoint)
@@ -290,7 +292,8 @@ def _fit(args: argparse.Namespace) -> int:
     est = Trainer(args.model, batch_size=args.batch_size, max_iter=args.epochs, random_state=args.seed,
                   verbose=0 if args.quiet or rank else 1, checkpoint_dir=args.checkpoint, tol=args.tol,
                   early_stopping=args.validation_fraction > 0, validation_fraction=args.validation_fraction or 0.1,
-                  scale={"auto": "auto", "always": True, "never": False}[args.scale], **kwargs)
+                  scale={"auto": "auto", "always": True, "never": False}[args.scale], sync_every=args.sync_every,
+                  compress=args.compress, device=args.device, **kwargs)
     t0 = time.perf_counter()
     if y is None:  # NOTE: opened once (the Trainer reads a small source whole and trains it as arrays)
         X = as_stream(X, features=features, target=args.target)
@@ -571,6 +574,13 @@ def _parser() -> argparse.ArgumentParser:
                      "DATA, in the model's order (default: every column but --target)")
     fit.add_argument("--workers", type=int, default=1, help="local ranks training data-parallel on "
                      "torch.distributed (gloo); --batch-size stays the global batch")
+    fit.add_argument("--sync-every", type=int, default=1, metavar="K",
+                     help="accumulate the gradients of K batches before each update (the weights of one process "
+                          "with K times --batch-size; fewer all-reduces under --workers)")
+    fit.add_argument("--compress", choices=["bf16", "fp16"], default=None,
+                     help="send the ranks' gradients as 16-bit floats (over gloo; not bit-equal to one process)")
+    fit.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                     help="where the step runs: cuda needs onnxruntime-gpu's CUDAExecutionProvider")
     fit.add_argument("--timeout", type=float, default=300.0,
                      help="seconds a rank waits for the others before stopping with an error")
     _add_training_options(fit, update="adam", lr=3e-3)

@@ -26,6 +26,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from onnxopt.data import as_array, check_batch_size, check_class_indices
 from onnxopt.errors import CheckpointError, ConvergenceError, DataError, ModelError, NotDifferentiableError
+from onnxopt.modelio import require_cuda
 from onnxopt.passes.batch import (drop_same_shape_reshapes, hoist, masked_relu_grads, row_sum_updates, shaped_target,
                                   summed_rows)
 from onnxopt.passes.epoch import CHECK, COUNT, LAST, PREFIX, epoch_model, scannable
@@ -248,6 +249,8 @@ class Runner:
             raise several_inputs(self.train_step.inputs)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+        if device == "cuda":
+            require_cuda("device")
         self.device = device
         self._device = C.OrtDevice(C.OrtDevice.cuda() if device == "cuda" else C.OrtDevice.cpu(),
                                    C.OrtDevice.default_memory(), 0)
