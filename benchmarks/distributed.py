@@ -9,7 +9,9 @@ accumulation). Reported: samples/s (median over the rounds), 2 ranks / capacity 
 on W5) and / 1 process, the all-reduce's share of a rank's step (waits for the other rank included), and the
 load average at the start and the end (the machine may be shared).
 
-    python benchmarks/distributed.py W3 W5 [--epochs 1] [--rounds 3] [--sync-every 4]
+    python benchmarks/distributed.py W3 W5 [--epochs 1] [--rounds 3] [--sync-every 4] [--paper]
+
+``--paper`` prints instead the model on paper (``paper``), calibrated by one process's step on this machine.
 """
 
 from __future__ import annotations
@@ -114,12 +116,39 @@ def capacity(name: str, epochs: int) -> float:
     return sum(float(o) for o in out)
 
 
+LINKS = {"10 Gb/s": (10e9 / 8, 50e-6), "100 Gb/s": (100e9 / 8, 10e-6)}  # NOTE: (bytes/s, latency of a message)
+
+
+def ring(ranks: int, nbytes: float, link: tuple[float, float]) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` on ``link``: 2(N-1) messages of nbytes/N each."""
+    bandwidth, latency = link
+    return 2 * (ranks - 1) * (nbytes / ranks / bandwidth + latency)
+
+
+def paper(name: str, step_s: float, sync_every: int) -> None:
+    """The model on paper: a rank's step = ``step_s`` (one process's step on this machine, the workload's batch
+    per rank) + a ring all-reduce of the gradients; printed as the efficiency step_s / (step_s + all-reduce)
+    (the ranks' throughput against as many independent processes) for float32, bf16 and sync every K."""
+    nbytes = 4 * (WORKLOADS[name].n_parameters + 1)
+    print(f"\n{name}: {nbytes / 1e6:.1f} MB of gradients, a step of {1e3 * step_s:.1f} ms (1 thread, batch "
+          f"{WORKLOADS[name].batch} a rank); efficiency = step / (step + all-reduce), no overlap")
+    print(f"| ranks | {' | '.join(f'{k} fp32 | {k} bf16 | {k} fp32, sync every {sync_every}' for k in LINKS)} |")
+    print("| --- " * (1 + 3 * len(LINKS)) + "|")
+    for n in (2, 4, 8, 16, 32, 64):
+        cells = []
+        for link in LINKS.values():
+            fp32, bf16 = ring(n, nbytes, link), ring(n, nbytes / 2, link)
+            cells += [step_s / (step_s + t) for t in (fp32, bf16, fp32 / sync_every)]
+        print(f"| {n} | {' | '.join(f'{c:.2f}' for c in cells)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workloads", nargs="*", default=["W3", "W5"])
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sync-every", type=int, default=4)
+    parser.add_argument("--paper", action="store_true", help="print the model on paper, calibrated by one process")
     parser.add_argument("--rank", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--single", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
@@ -129,6 +158,10 @@ def main() -> None:
     if args.single:
         return print(single(args.single, args.epochs))
     k = args.sync_every
+    if args.paper:
+        for name in args.workloads:
+            paper(name, WORKLOADS[name].batch / single(name, args.epochs), k)
+        return None
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")
     print(f"| workload | 1 process (samples/s) | capacity: 2 processes | 2 ranks shm | 2 ranks gloo | 2 ranks shm, "
           f"sync every {k} | shm / capacity | gloo / capacity | shm K={k} / capacity | shm / 1 process | all-reduce "

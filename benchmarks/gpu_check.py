@@ -3,9 +3,9 @@
 One script, meant to finish in under 10 minutes on a machine with an NVIDIA GPU:
 
 1. environment: runs here when ``onnxruntime`` has the CUDAExecutionProvider and torch sees a GPU; otherwise it
-   makes a fresh virtual environment (``--venv``, default /tmp/onnxopt-gpu-venv) with onnxruntime-gpu, torch and
-   onnxopt's other dependencies (from PyPI, or a wheel folder given by ``--wheels``), installs this checkout
-   into it (editable, no dependencies) and runs itself there;
+   installs onnxruntime-gpu (the CUDA 13 build, 244 MiB) and whatever else does not import (torch, onnx-ir...)
+   into a folder (``--site``, default /tmp/onnxopt-gpu-site; from PyPI, or the wheels in ``--wheels``) and runs
+   itself again with that folder and this checkout's src first on the path;
 2. correctness: every workload of ``onnxopt.bench.workloads`` (W1-W5 MLPs, R1 a ResNet-style CNN with
    BatchNormalization in train mode, T1 a transformer encoder) compiled once, trained ``--steps`` steps from the
    same weights on the same batches by ``Runner(device="cpu")`` and ``Runner(device="cuda")``; the losses must
@@ -31,7 +31,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ["onnxruntime-gpu", "torch", "onnx==1.19.1", "onnx-ir==1.1.0", "onnxscript==0.7.2", "numpy<2.5", "tqdm"]
 
 
 def _ready() -> str | None:
@@ -51,20 +50,27 @@ def _ready() -> str | None:
 
 
 def _reexec(args) -> int:
-    """Installs a fresh environment and runs this script in it (``--inside``)."""
-    python = os.path.join(args.venv, "bin", "python")
+    """Installs onnxruntime-gpu (and whatever else does not import: torch, onnx, onnx-ir...) into the folder
+    ``--site`` and runs this script again with that folder first on the path (``--inside``)."""
+    import importlib.util
+
+    wanted = {"torch": "torch", "onnx": "onnx", "onnx_ir": "onnx-ir==1.1.0", "onnxscript": "onnxscript==0.7.2",
+              "numpy": "numpy", "tqdm": "tqdm"}
+    missing = [spec for module, spec in wanted.items() if importlib.util.find_spec(module) is None]
     source = ["--find-links", args.wheels, "--no-index"] if args.wheels else []
-    steps = [[sys.executable, "-m", "venv", "--clear", args.venv],
-             [python, "-m", "pip", "install", "-q", *source, *PACKAGES],
-             [python, "-m", "pip", "install", "-q", "--no-deps", "-e", ROOT]]
-    for cmd in steps:
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--upgrade", "--target", args.site, *source]
+    # NOTE: without its dependencies: the `onnxruntime` module it brings shadows a CPU build's on the path
+    for cmd in [[*pip, "--no-deps", "onnxruntime-gpu"], *([[*pip, *missing]] if missing else [])]:
         t0 = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True)
-        print(f"$ {' '.join(cmd[2:6])} ... ({time.perf_counter() - t0:.0f} s, exit {done.returncode})", flush=True)
+        print(f"$ pip install {' '.join(cmd[len(pip):])} ({time.perf_counter() - t0:.0f} s, exit {done.returncode})",
+              flush=True)
         if done.returncode:
-            print(f"gpu_check: could not prepare {args.venv}: {(done.stderr or done.stdout).strip()[-1500:]}")
+            print(f"gpu_check: could not install into {args.site}: {(done.stderr or done.stdout).strip()[-1500:]}")
             return 2
-    return subprocess.call([python, os.path.abspath(__file__), *sys.argv[1:], "--inside"])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([args.site, os.path.join(ROOT, "src"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    return subprocess.call([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--inside"], env=env)
 
 
 def _providers_missing(step) -> str:
@@ -165,7 +171,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rtol", type=float, default=1e-2)
-    parser.add_argument("--venv", default="/tmp/onnxopt-gpu-venv")
+    parser.add_argument("--site", default="/tmp/onnxopt-gpu-site")
     parser.add_argument("--wheels", default=None, help="a folder of wheels to install from instead of PyPI")
     parser.add_argument("--dry-run", action="store_true", help="every part on the CPU here: checks the script")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
@@ -177,7 +183,7 @@ def main() -> int:
         if args.inside:
             print(f"gpu_check: the prepared environment cannot run on CUDA: {missing}")
             return 2
-        print(f"gpu_check: this environment cannot ({missing}); preparing {args.venv}", flush=True)
+        print(f"gpu_check: this environment cannot ({missing}); installing into {args.site}", flush=True)
         return _reexec(args)
     sys.path.insert(0, os.path.join(ROOT, "src"))
     import onnxruntime as ort
