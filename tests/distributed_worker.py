@@ -53,6 +53,7 @@ if "runs" in cfg:
                                  for _ in range(2)])
         if rank == 0:
             np.savez(os.path.join(cfg["out"], name + ".npz"), losses=losses, transport=str(dp.transport),
+                     pieces=len(dp._pieces),
                      **dp.get_weights())
     sys.exit(0)
 

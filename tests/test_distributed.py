@@ -232,26 +232,29 @@ def test_data_parallel_options_are_checked(name, value):
         distributed.DataParallelRunner(*steps, **{name: value})
 
 
-RUNS = {  # NOTE: one launch of 2 ranks runs them all; batch = rows per update
+RUNS = {  # NOTE: one launch of 2 ranks runs them all; batch = rows per update; buckets > 1: a split step
     "shm": dict(batch=24), "shm_k3": dict(batch=24, sync_every=3, weighted=True),
     "gloo_buckets": dict(batch=24, transport="gloo", buckets=3, sync_every=2),
     "gloo": dict(batch=24, transport="gloo", weighted=True),
-    "bf16": dict(batch=24, compress="bf16"), "fp16": dict(batch=24, compress="fp16")}
+    "gloo_pieces": dict(batch=24, transport="gloo", buckets=2, weighted=True),
+    "gloo_pieces3": dict(batch=24, transport="gloo", buckets=3),
+    "bf16": dict(batch=24, compress="bf16", buckets=2), "fp16": dict(batch=24, compress="fp16")}
 
 
 def test_two_ranks_give_one_process_with_the_global_batch(tmp_path):
-    """2 gloo ranks, float64 (float32 for the compressed runs), Adam, 2 epochs of 100 rows: the shared-memory and the
-    gloo all-reduce (in 3 asynchronous buckets), with and without sample weights and accumulation over micro-batches,
-    give the weights of one process with batch 24, to float64 rounding; bf16 and fp16 compression come close to
-    them (relative to how far training moved the weights), not equal."""
+    """2 gloo ranks, float64 (float32 for the compressed runs), Adam, 2 epochs of 97 rows (the last batch's row on
+    rank 1 alone): the shared-memory and the gloo all-reduce (in 3 asynchronous buckets, or started piece by piece
+    of a gradient step split in 2 or 3), with and without sample weights and accumulation over micro-batches, give
+    the weights of one process with batch 24, to float64 rounding; bf16 and fp16 compression come close to them
+    (relative to how far training moved the weights), not equal."""
     pytest.importorskip("torch.distributed")
     rng = np.random.default_rng(6)
-    X, sw = rng.normal(size=(100, 5)), rng.uniform(0.2, 2, 100)
+    X, sw = rng.normal(size=(97, 5)), rng.uniform(0.2, 2, 97)
     y = np.tanh(X @ rng.normal(size=5))
     np.savez(tmp_path / "d.npz", X=X, y=y, sw=sw)
-    onnx.save(mlp([5, 16, 1], dtype=np.float64), tmp_path / "m.onnx")
+    onnx.save(mlp([5, 16, 16, 1], dtype=np.float64), tmp_path / "m.onnx")
     np.savez(tmp_path / "d32.npz", X=X.astype(np.float32), y=y.astype(np.float32), sw=sw.astype(np.float32))
-    onnx.save(mlp([5, 16, 1]), tmp_path / "m32.onnx")
+    onnx.save(mlp([5, 16, 16, 1]), tmp_path / "m32.onnx")
     exact = {k: v for k, v in RUNS.items() if "compress" not in v}
     compressed = {k: v for k, v in RUNS.items() if "compress" in v}
     for runs, suffix in ((exact, ""), (compressed, "32")):
@@ -260,8 +263,10 @@ def test_two_ranks_give_one_process_with_the_global_batch(tmp_path):
     for name, run in RUNS.items():
         got = dict(np.load(tmp_path / f"{name}.npz"))
         assert str(got.pop("transport")) == ("gloo" if "compress" in run else run.get("transport", "shm")), name
+        split = (run.get("transport") == "gloo" or "compress" in run) and run.get("sync_every", 1) == 1
+        assert int(got.pop("pieces")) == (run.get("buckets", 1) if split and run.get("buckets", 1) > 1 else 0), name
         float32 = "compress" in run
-        model = mlp([5, 16, 1], dtype=np.float32 if float32 else np.float64)
+        model = mlp([5, 16, 16, 1], dtype=np.float32 if float32 else np.float64)
         cast = (lambda a: a.astype(np.float32)) if float32 else (lambda a: a)  # noqa: E731
         want, losses = _reference(model, "adam", 0.01, cast(X), cast(y), cast(sw) if run.get("weighted") else None, 24)
         start = {t.name: ir.serde.deserialize_tensor(t).numpy() for t in model.graph.initializer}

@@ -23,6 +23,7 @@ import os
 import sys
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as passes
 import onnxruntime as ort
@@ -171,10 +172,73 @@ def _lean(proto):
     return ir.to_proto(m)
 
 
+def pieces(model: onnx.ModelProto, sizes: dict[str, int], parts: int) -> list[tuple[onnx.ModelProto, list[str]]]:
+    """The gradient step split into about ``parts`` models run in order, each ending with a bucket of gradients
+    (``GRADS/<weight>`` outputs, about equal in size, in the order the backward produces them), so that each
+    bucket's all-reduce can start while the next piece runs. A piece's node is one the earliest bucket needing it
+    needs (the forward and the loss go to the first); values crossing pieces are outputs of the first and inputs
+    of the next. Returns [(model, its weights' gradients)]; one piece where the graph has no typed cut values."""
+    m = ir.from_proto(model)
+    passes.TopologicalSortPass()(m)
+    order = {node: i for i, node in enumerate(m.graph)}
+    outs = {v.name: v for v in m.graph.outputs}
+    grads = sorted(sizes, key=lambda w: order.get(outs[f"{GRADS}/{w}"].producer(), -1))
+    total, buckets, done = sum(sizes.values()), [[]], 0
+    for w in grads:  # NOTE: a new bucket once the previous ones hold their share of the bytes
+        if buckets[-1] and done >= total * len(buckets) / parts:
+            buckets.append([])
+        buckets[-1].append(w)
+        done += sizes[w]
+    piece: dict[ir.Node, int] = {}
+    for k, bucket in enumerate(buckets):
+        stack = [outs[f"{GRADS}/{w}"].producer() for w in bucket] + ([v.producer() for v in m.graph.outputs
+                                                                       if not v.name.startswith(GRADS)] if k == 0 else [])
+        while stack:
+            node = stack.pop()
+            if node is None or node in piece:
+                continue
+            piece[node] = k
+            stack.extend(v.producer() for v in node.inputs if v is not None)
+            stack.extend(v.producer() for attr in node.attributes.values() if attr.type == ir.AttributeType.GRAPH
+                         for n in attr.value for v in n.inputs if v is not None)  # NOTE: a subgraph's outer values
+    made = {v.name: k for node, k in piece.items() for v in node.outputs}  # NOTE: by name: pieces are copies
+    needed: dict[str, set[int]] = {}
+    for node, k in piece.items():
+        for v in node.inputs:
+            if v is not None and v.name in made and made[v.name] != k:
+                needed.setdefault(v.name, set()).add(k)
+    typed = {v.name: v.dtype is not None for node in piece for v in node.outputs}
+    if len(buckets) == 1 or not all(typed[name] for name in needed):
+        return [(model, list(sizes))]
+    result = []
+    for k, bucket in enumerate(buckets):
+        part = ir.from_proto(model)
+        values = {v.name: v for node in part.graph for v in node.outputs}
+        for name, users in needed.items():
+            if made[name] < k and k in users:  # NOTE: made by an earlier piece: an input here
+                value = values[name]
+                fed = ir.Value(name=name, type=value.type, shape=value.shape)
+                ir.convenience.replace_all_uses_with(value, fed)
+                value.name = None
+                part.graph.inputs.append(fed)
+        wanted = [f"{GRADS}/{w}" for w in bucket] + ([v.name for v in m.graph.outputs if not v.name.startswith(GRADS)]
+                                                    if k == 0 else [])
+        wanted += sorted(n for n, users in needed.items() if made[n] == k and max(users) > k)
+        named = {v.name: v for v in [*part.graph.outputs, *values.values()] if v.name}
+        part.graph.outputs.clear()
+        part.graph.outputs.extend(named[n] for n in wanted)
+        passes.RemoveUnusedNodesPass()(part)
+        for value in [v for v in part.graph.inputs if not v.uses()]:
+            part.graph.inputs.remove(value)
+        result.append((ir.to_proto(part), bucket))
+    return result
+
+
 class _Gloo:
     """The all-reduce through torch.distributed: in place on a buffer torch owns, in ``buckets`` slices issued at
-    once as asynchronous work (gloo's threads run them side by side) and waited for together; with ``compress``
-    each slice travels as a 16-bit float (as DDP's fp16/bf16 compression hooks), the loss in full precision."""
+    once as asynchronous work (gloo's threads run them side by side) and waited for together, or slice by slice as
+    the pieces of a split gradient step produce them (``start``, then ``wait``); with ``compress`` the gradients
+    travel as 16-bit floats (as DDP's fp16/bf16 compression hooks), the loss alone in full precision."""
 
     def __init__(self, dist, size: int, dtype, buckets: int, compress: str | None):
         import torch
@@ -183,21 +247,31 @@ class _Gloo:
         self._dist, self._wire = dist, getattr(torch, COMPRESS[compress]) if compress else None
         self._tensor = torch.zeros(size + 1, dtype=getattr(torch, np.dtype(dtype).name))
         self.buffer = self.result = self._tensor.numpy()
-        sent = size if compress else size + 1  # NOTE: compressed, the loss rides alone in full precision
-        bounds = [sent * i // buckets for i in range(buckets + 1)]
-        self._parts = [self._tensor[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
-        if compress:
-            self._parts.append(self._tensor[size:])
+        self._size, self._pending = size, []
+        self._bounds = [size * i // buckets for i in range(buckets + 1)]
 
-    def reduce(self) -> None:
-        pending = []
-        for k, part in enumerate(self._parts):
-            sent = part if self._wire is None or k == len(self._parts) - 1 else part.to(self._wire)
-            pending.append((part, sent, self._dist.all_reduce(sent, async_op=True)))
+    def start(self, lo: int, hi: int) -> None:
+        """Starts the all-reduce of the buffer's [lo, hi) (the loss, at ``size``, never compressed)."""
+        part = self._tensor[lo:hi]
+        sent = part if self._wire is None or lo >= self._size else part.to(self._wire)
+        self._pending.append((part, sent, self._dist.all_reduce(sent, async_op=True)))
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
         for part, sent, work in pending:
             work.wait()
             if sent is not part:
                 part.copy_(sent)
+
+    def reduce(self) -> None:
+        end = self._size + (self._wire is None)  # NOTE: uncompressed, the loss rides in the last slice
+        bounds = [*self._bounds[:-1], end]
+        for a, b in zip(bounds, bounds[1:]):
+            if b > a:
+                self.start(a, b)
+        if end == self._size:
+            self.start(self._size, self._size + 1)
+        self.wait()
 
 
 class _Shared:
@@ -310,6 +384,21 @@ class DataParallelRunner:
             if self._reducer is None:
                 self._reducer = _Gloo(self._dist, self._size, self.updater.dtype, buckets, compress)
             self.transport = "shm" if isinstance(self._reducer, _Shared) else "gloo"
+        self._pieces: list[tuple[ort.InferenceSession, list[tuple[int, int]]]] = []  # NOTE: (session, its slices)
+        if isinstance(self._reducer, _Gloo) and buckets > 1 and sync_every == 1:
+            sizes = {name: math.prod(shape) for name, shape in self._grad_shapes.items()}
+            starts = dict(zip(sizes, np.cumsum([0, *sizes.values()]).tolist()))
+            split = pieces(grad.model, sizes, buckets)
+            for model, bucket in split if len(split) > 1 else []:
+                merged: list[list[int]] = []  # NOTE: the bucket's slices of the flat buffer, adjacent ones joined
+                for a, b in sorted((starts[w], starts[w] + sizes[w]) for w in bucket):
+                    if merged and merged[-1][1] == a:
+                        merged[-1][1] = b
+                    else:
+                        merged.append([a, b])
+                session = ort.InferenceSession(_without_values(model, weights), options(max(1, batch_size // self.world)),
+                                               providers=["CPUExecutionProvider"])
+                self._pieces.append((session, [tuple(r) for r in merged]))
         # NOTE: [Σ s·g, Σ s·loss]: the gradient step writes it, the all-reduce sums it into ``_result``
         self._buffer = self._reducer.buffer if self._reducer else np.zeros(self._size + 1, self.updater.dtype)
         self._result = self._reducer.result if self._reducer else self._buffer
@@ -361,14 +450,60 @@ class DataParallelRunner:
                 if name in self.train_step.weights:
                     binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(self.train_step.loss, ort.OrtValue.ortvalue_from_numpy(self._loss))
-            flat, offset = self._scratch if scratch else self._buffer, 0
-            for name, shape in self._grad_shapes.items():
-                size = int(np.prod(shape))
-                view = flat[offset:offset + size].reshape(shape)
-                binding.bind_ortvalue_output(f"{GRADS}/{name}", ort.OrtValue.ortvalue_from_numpy(view))
-                offset += size
+            for name, view in self._views(self._scratch if scratch else self._buffer).items():
+                binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(view))
             self._bindings[key] = binding
         return self._bindings[key]
+
+    def _views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Each gradient output's view of ``flat``."""
+        views, offset = {}, 0
+        for name, shape in self._grad_shapes.items():
+            size = math.prod(shape)
+            views[f"{GRADS}/{name}"], offset = flat[offset:offset + size].reshape(shape), offset + size
+        return views
+
+    def _piece_bindings(self) -> list[tuple[ort.IOBinding, set[str], list[str], set[str]]]:
+        """Per piece of the split gradient step: its binding (weights of the current set, gradients into the
+        flat buffer, values for later pieces allocated by ORT), its inputs, its outputs in order, those values."""
+        key = (self.updater._current, "pieces")
+        if key not in self._bindings:
+            values, views, made = self.updater.current_values(), self._views(self._buffer), []
+            for session, _ in self._pieces:
+                binding, inputs = session.io_binding(), {i.name for i in session.get_inputs()}
+                for name in inputs & set(self.train_step.weights):
+                    binding.bind_ortvalue_input(name, values[name])
+                order = [o.name for o in session.get_outputs()]
+                for name in order:
+                    if name in views or name == self.train_step.loss:
+                        array = views[name] if name in views else self._loss
+                        binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+                    else:  # NOTE: bound in the session's order once; rebinding a name keeps its place
+                        binding.bind_output(name, "cpu")
+                made.append((binding, inputs, order, set(order) - set(views) - {self.train_step.loss}))
+            self._bindings[key] = made
+        return self._bindings[key]
+
+    def _split_step(self, feeds: dict, share: float) -> None:
+        """The pieces of the gradient step in order, each one's gradients scaled by ``share`` and their all-reduce
+        started as it ends (overlapping the next piece), then the loss's."""
+        env, buf = {}, self._buffer
+        for (session, ranges), (binding, inputs, order, passed) in zip(self._pieces, self._piece_bindings()):
+            for name, value in feeds.items():
+                if name in inputs:
+                    binding.bind_cpu_input(name, value)
+            for name in inputs & env.keys():
+                binding.bind_ortvalue_input(name, env[name])
+            for name in passed:  # NOTE: allocated by ORT each run: the last batch of an epoch may be shorter
+                binding.bind_output(name, "cpu")
+            session.run_with_iobinding(binding)
+            if passed:
+                env.update((n, v) for n, v in zip(order, binding.get_outputs()) if n in passed)
+            for a, b in ranges:
+                if share != 1:
+                    np.multiply(buf[a:b], share, out=buf[a:b])
+                self._collective(lambda a=a, b=b: self._reducer.start(a, b), "the gradient all-reduce")
+        buf[self._size] = float(self._loss) * share
 
     def step(self, X, y=None, sample_weight=None) -> float:
         """One update on the global batch (X, y, sample_weight): this rank's rows in ``sync_every`` micro-batches,
@@ -393,10 +528,14 @@ class DataParallelRunner:
             share = weight / total  # NOTE: 1 on one rank and micro-batch: no pass over the gradients
             feeds = {step.inputs[0]: X[a:b], step.target: None if target is None else target[a:b],
                      step.sample_weight: self._ones(b - a) if sw is None else sw[a:b]}
+            feeds = {name: np.ascontiguousarray(value) for name, value in feeds.items() if name is not None}
+            if self._pieces:  # NOTE: sync_every 1: the only micro-batch
+                self._split_step(feeds, share)
+                first = False
+                break
             binding = self._binding(scratch=not first)
             for name, value in feeds.items():
-                if name is not None:
-                    binding.bind_cpu_input(name, np.ascontiguousarray(value))
+                binding.bind_cpu_input(name, value)
             self.session.run_with_iobinding(binding)
             if first:
                 if share != 1:
@@ -410,7 +549,13 @@ class DataParallelRunner:
             first = False
         if first:  # NOTE: no rows (or weight) here: this rank adds zeros
             buf[:] = 0
-        if self._reducer is not None:
+        if self._pieces:  # NOTE: every rank issues the same all-reduces: the pieces' slices, then the loss
+            if first:
+                for a, b in (r for _, ranges in self._pieces for r in ranges):
+                    self._collective(lambda a=a, b=b: self._reducer.start(a, b), "the gradient all-reduce")
+            self._collective(lambda: (self._reducer.start(size, size + 1), self._reducer.wait()),
+                             "the gradient all-reduce")
+        elif self._reducer is not None:
             self._collective(self._reducer.reduce, "the gradient all-reduce")
         loss = float(self._result[size])
         if not math.isfinite(loss):
