@@ -276,13 +276,19 @@ class _Gloo:
 
 class _Shared:
     """The all-reduce of ranks on one host through one shared-memory file all of them map: rank r's gradient step
-    writes into slot r, each rank sums its chunk of every slot into the result, which every update reads: no
-    socket and no copy, two barriers a step. ``open`` returns None unless every rank could map the file."""
+    writes into its slot, and after one barrier every rank sums all slots, in rank order, into its own result,
+    which its update reads: no socket, no copy, the same bits on every rank. Slots alternate between two sets
+    by step: a rank is at most one step ahead of the others (the barrier), so it never writes a set that
+    another still reads. ``open`` returns None unless every rank could map the file."""
 
     def __init__(self, dist, slots: np.ndarray, rank: int, world: int):
-        size = slots.shape[1]
-        self._dist, self._slots, self._chunk = dist, slots[:world], slice(size * rank // world, size * (rank + 1) // world)
-        self.buffer, self.result = slots[rank], slots[world]
+        self._dist, self._slots, self._rank, self._step = dist, slots, rank, 0
+        self.result = np.zeros(slots.shape[2], slots.dtype)
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """This rank's slot for the current step."""
+        return self._slots[self._step % 2, self._rank]
 
     @classmethod
     def open(cls, dist, rank: int, world: int, size: int, dtype) -> _Shared | None:
@@ -290,7 +296,7 @@ class _Shared:
         import secrets
         import tempfile
 
-        shape, head = (world + 1, size + 1), 64  # NOTE: the header holds a token: the file is this group's
+        shape, head = (2, world, size + 1), 64  # NOTE: the header holds a token: the file is this group's
         nbytes = head + math.prod(shape) * np.dtype(dtype).itemsize
         info = [None]
         if rank == 0:
@@ -318,12 +324,12 @@ class _Shared:
         return cls(dist, slots, rank, world) if all(found) else None
 
     def reduce(self) -> None:
-        self._dist.barrier()  # NOTE: every slot written
-        parts, out = self._slots[:, self._chunk], self.result[self._chunk]
-        np.add(parts[0], parts[1], out=out)
-        for part in parts[2:]:
-            np.add(out, part, out=out)
-        self._dist.barrier()  # NOTE: the result whole; the next step's writes wait for every update to read it
+        self._dist.barrier()  # NOTE: every slot of this step written
+        slots = self._slots[self._step % 2]
+        np.add(slots[0], slots[1], out=self.result)
+        for slot in slots[2:]:
+            np.add(self.result, slot, out=self.result)
+        self._step += 1
 
 
 class DataParallelRunner:
@@ -400,12 +406,12 @@ class DataParallelRunner:
                                                providers=["CPUExecutionProvider"])
                 self._pieces.append((session, [tuple(r) for r in merged]))
         # NOTE: [Σ s·g, Σ s·loss]: the gradient step writes it, the all-reduce sums it into ``_result``
-        self._buffer = self._reducer.buffer if self._reducer else np.zeros(self._size + 1, self.updater.dtype)
-        self._result = self._reducer.result if self._reducer else self._buffer
-        self._scratch = np.zeros_like(self._buffer) if sync_every > 1 else None  # NOTE: micro-batches after the first
+        self._flat = None if self._reducer else np.zeros(self._size + 1, self.updater.dtype)
+        self._result = self._reducer.result if self._reducer else self._flat
+        self._scratch = np.zeros_like(self._result) if sync_every > 1 else None  # NOTE: micro-batches after the first
         self._loss = np.zeros((), self.updater.dtype)
         self._ones_cache = np.ones(0, self.updater.dtype)
-        self._bindings: dict[tuple[int, bool], ort.IOBinding] = {}
+        self._bindings: dict[tuple, object] = {}
         self._checked = False
 
     def __getattr__(self, name: str):  # NOTE: get_weights, set_weights, export, dtype, step_count... of the updater
@@ -443,7 +449,7 @@ class DataParallelRunner:
     def _binding(self, scratch: bool) -> ort.IOBinding:
         """The gradient session's binding reading the updater's current weights and writing into the flat buffer
         (or, for a micro-batch after the first, the scratch one): one per buffer set and target."""
-        key = (self.updater._current, scratch)
+        key = (self.updater._current, scratch, self._buffer.ctypes.data)
         if key not in self._bindings:
             binding = self.session.io_binding()
             for name, value in self.updater.current_values().items():
@@ -454,6 +460,11 @@ class DataParallelRunner:
                 binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(view))
             self._bindings[key] = binding
         return self._bindings[key]
+
+    @property
+    def _buffer(self) -> np.ndarray:
+        """Where this step's gradient step writes: the reducer's buffer (shm: a slot per step parity)."""
+        return self._reducer.buffer if self._reducer else self._flat
 
     def _views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """Each gradient output's view of ``flat``."""
