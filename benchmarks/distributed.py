@@ -3,7 +3,8 @@
 For each workload, alternating ``--rounds`` times: one process with ``Runner`` (the fused step, 1 thread); two
 such processes at once, independent (the *capacity*: what 2 cores give two single-threaded trainings); then
 ``DataParallelRunner`` on 2 ranks (processes started here, 1 thread each) with each all-reduce (``shm``: the
-shared-memory one, ``gloo``: TCP loopback) and with ``--sync-every`` K micro-batches per update over shm. Each
+shared-memory one, ``gloo``: TCP loopback; over gloo also with the gradient step split in 2 pieces, the first
+piece's all-reduce overlapping the second) and with ``--sync-every`` K micro-batches per update over shm. Each
 times ``--epochs`` epochs after one untimed epoch; the global batch is the workload's (K times it per update with
 accumulation). Reported: samples/s (median over the rounds), 2 ranks / capacity (targets: >= 0.7 on W3, >= 0.8
 on W5) and / 1 process, the all-reduce's share of a rank's step (waits for the other rank included), and the
@@ -58,16 +59,16 @@ def single(name: str, epochs: int) -> float:
     return wl.n * epochs / _timed(lambda: runner.epoch(X, y), epochs)
 
 
-def rank(name: str, epochs: int, transport: str, sync_every: int) -> None:
+def rank(name: str, epochs: int, transport: str, sync_every: int, buckets: int = 1) -> None:
     """One rank (RANK/WORLD_SIZE set): prints JSON {samples/s, all-reduce seconds, seconds, all-reduce alone}."""
     wl = WORKLOADS[name]
     X, y = wl.data()
     steps = distributed.split_step(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update), learning_rate=wl.lr)
     rows = wl.batch * sync_every
     runner = distributed.DataParallelRunner(*steps, batch_size=rows, session_options=_options(), transport=transport,
-                                            sync_every=sync_every)
+                                            sync_every=sync_every, buckets=buckets)
     spent, reducer = [0.0], runner._reducer
-    if reducer is not None:
+    if reducer is not None and not runner._pieces:  # NOTE: split, the all-reduce overlaps the pieces: not timed
         reduce = reducer.reduce
 
         def timed_reduce():
@@ -99,14 +100,14 @@ def _spawn(args: list[str], n: int, env: dict) -> list[str]:
     return [o.strip().splitlines()[-1] for o in outs]
 
 
-def ranks(name: str, n: int, epochs: int, transport: str, sync_every: int = 1) -> dict:
+def ranks(name: str, n: int, epochs: int, transport: str, sync_every: int = 1, buckets: int = 1) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
     out = _spawn(["--rank", name, "--epochs", str(epochs), "--transport", transport, "--sync-every",
-                  str(sync_every)], n, env)
+                  str(sync_every), "--buckets", str(buckets)], n, env)
     return json.loads(out[0])
 
 
@@ -152,9 +153,10 @@ def main() -> None:
     parser.add_argument("--rank", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--single", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--buckets", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
-        return rank(args.rank, args.epochs, args.transport, args.sync_every)
+        return rank(args.rank, args.epochs, args.transport, args.sync_every, args.buckets)
     if args.single:
         return print(single(args.single, args.epochs))
     k = args.sync_every
@@ -163,24 +165,26 @@ def main() -> None:
             paper(name, WORKLOADS[name].batch / single(name, args.epochs), k)
         return None
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")
-    print(f"| workload | 1 process (samples/s) | capacity: 2 processes | 2 ranks shm | 2 ranks gloo | 2 ranks shm, "
-          f"sync every {k} | shm / capacity | gloo / capacity | shm K={k} / capacity | shm / 1 process | all-reduce "
-          "share: shm, gloo | all-reduce alone (ms): shm, gloo |")
-    print("| --- " * 12 + "|")
+    print(f"| workload | 1 process (samples/s) | capacity: 2 processes | 2 ranks shm | 2 ranks gloo | 2 ranks gloo, "
+          f"step in 2 pieces | 2 ranks shm, sync every {k} | shm / capacity | gloo / capacity | gloo 2 pieces / "
+          f"capacity | shm K={k} / capacity | shm / 1 process | all-reduce share: shm, gloo | all-reduce alone (ms): "
+          "shm, gloo |")
+    print("| --- " * 14 + "|")
     med = statistics.median
     for name in args.workloads:
         rows = []
         for _ in range(args.rounds):
             one, cap = single(name, args.epochs), capacity(name, args.epochs)
             shm, gloo = ranks(name, 2, args.epochs, "shm"), ranks(name, 2, args.epochs, "gloo")
-            acc = ranks(name, 2, args.epochs, "shm", k)
-            rows.append((one, cap, shm["samples_s"], gloo["samples_s"], acc["samples_s"],
+            split, acc = ranks(name, 2, args.epochs, "gloo", 1, 2), ranks(name, 2, args.epochs, "shm", k)
+            rows.append((one, cap, shm["samples_s"], gloo["samples_s"], split["samples_s"], acc["samples_s"],
                          shm["allreduce_s"] / shm["seconds"], gloo["allreduce_s"] / gloo["seconds"],
                          1e3 * shm["alone_s"], 1e3 * gloo["alone_s"]))
             print("  round:", " ".join(f"{v:.3g}" for v in rows[-1]), f"load {os.getloadavg()[0]:.2f}", flush=True)
-        one, cap, shm, gloo, acc, s_share, g_share, s_alone, g_alone = (med(col) for col in zip(*rows))
-        print(f"| {name} | {one:.0f} | {cap:.0f} | {shm:.0f} | {gloo:.0f} | {acc:.0f} | {shm / cap:.2f} "
-              f"(rounds {', '.join(f'{r[2] / r[1]:.2f}' for r in rows)}) | {gloo / cap:.2f} | {acc / cap:.2f} | "
+        one, cap, shm, gloo, split, acc, s_share, g_share, s_alone, g_alone = (med(col) for col in zip(*rows))
+        print(f"| {name} | {one:.0f} | {cap:.0f} | {shm:.0f} | {gloo:.0f} | {split:.0f} | {acc:.0f} | {shm / cap:.2f} "
+              f"(rounds {', '.join(f'{r[2] / r[1]:.2f}' for r in rows)}) | {gloo / cap:.2f} | {split / cap:.2f} | "
+              f"{acc / cap:.2f} | "
               f"{shm / one:.2f} | {100 * s_share:.0f}%, {100 * g_share:.0f}% | {s_alone:.2f}, {g_alone:.2f} |",
               flush=True)
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")

@@ -8,8 +8,10 @@
   step counter, checkpoints and ``export`` are the ``Runner``'s).
 Each step a rank scales its gradients and loss by its share s = c / C of the global batch (c its rows, C the
 batch's; with sample weights, their sums: every rank holds the global batch, so s needs no collective), one
-all-reduce sums [s·g, s·loss] over the ranks and every rank applies the same update: N ranks with a global
-batch B give the weights of one process with batch B, to float rounding. torch is imported only when a
+all-reduce sums [s·g, s·loss] over the ranks (``_Shared`` through shared memory on one host, ``_Gloo`` through
+torch.distributed, started bucket by bucket as the ``pieces`` of a split step end) and every rank applies the same
+update: N ranks with a global batch B give the weights of one process with batch B, to float rounding;
+``sync_every`` K accumulates K micro-batches first (one process with batch K·B). torch is imported only when a
 launcher set ``WORLD_SIZE`` or torch is already loaded.
 """
 
@@ -337,9 +339,10 @@ class DataParallelRunner:
 
     Rank r of N trains rows [n·r/N, n·(r+1)/N) of each batch of n rows, in ``sync_every`` micro-batches whose
     gradients it accumulates before the all-reduce and the update: the weights of one process with batch n.
-    ``transport``: "shm" (ranks on one host: a shared-memory all-reduce), "gloo" (torch.distributed, in
-    ``buckets`` asynchronous slices, ``compress``="bf16" or "fp16" to halve the bytes sent: not bit-equal) or
-    "auto" (shm where every rank maps it and nothing is compressed, else gloo). Weights, state, ``export`` and the
+    ``transport``: "shm" (ranks on one host: a shared-memory all-reduce), "gloo" (torch.distributed; with
+    ``buckets`` > 1 the gradient step split into that many pieces (``pieces``), each bucket's all-reduce started as
+    its piece ends; ``compress``="bf16" or "fp16" halves the bytes sent: not bit-equal) or "auto" (shm where every
+    rank maps it and nothing is compressed, else gloo). Weights, state, ``export`` and the
     rest of the ``Runner`` API come from the update step's Runner (``updater``); rank 0 alone writes checkpoints.
     """
 
