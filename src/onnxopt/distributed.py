@@ -34,6 +34,7 @@ from onnxopt.data import as_array, check_batch_size
 from onnxopt.dsl import op, update_rule
 from onnxopt.errors import ConvergenceError, DataError, ModelError, OnnxoptError
 from onnxopt.fuse import compile_train_step
+from onnxopt.passes.batch import masked_relu_grads
 from onnxopt.runner import Runner, _without_values, default_session_options
 from onnxopt.step import NEW, TrainStep
 
@@ -374,8 +375,10 @@ class DataParallelRunner:
             return opts
 
         self.updater = Runner(update, device, session_options=options(1), batch_size=1)
-        self.session = ort.InferenceSession(_without_values(grad.model, weights),
-                                            options(max(1, batch_size // (self.world * sync_every))),
+        rows = max(1, batch_size // (self.world * sync_every))
+        model = ir.from_proto(grad.model)  # NOTE: ReluGrad as a masked product, as the Runner's CPU model (-5% W3)
+        model = ir.to_proto(model) if masked_relu_grads(model, rows) else grad.model
+        self.session = ort.InferenceSession(_without_values(model, weights), options(rows),
                                             providers=["CPUExecutionProvider"])
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.x_dtype = _numpy(types[grad.inputs[0]])
@@ -397,15 +400,15 @@ class DataParallelRunner:
         if isinstance(self._reducer, _Gloo) and buckets > 1 and sync_every == 1:
             sizes = {name: math.prod(shape) for name, shape in self._grad_shapes.items()}
             starts = dict(zip(sizes, np.cumsum([0, *sizes.values()]).tolist()))
-            split = pieces(grad.model, sizes, buckets)
-            for model, bucket in split if len(split) > 1 else []:
+            split = pieces(model, sizes, buckets)
+            for piece, bucket in split if len(split) > 1 else []:
                 merged: list[list[int]] = []  # NOTE: the bucket's slices of the flat buffer, adjacent ones joined
                 for a, b in sorted((starts[w], starts[w] + sizes[w]) for w in bucket):
                     if merged and merged[-1][1] == a:
                         merged[-1][1] = b
                     else:
                         merged.append([a, b])
-                session = ort.InferenceSession(_without_values(model, weights), options(max(1, batch_size // self.world)),
+                session = ort.InferenceSession(_without_values(piece, weights), options(rows),
                                                providers=["CPUExecutionProvider"])
                 self._pieces.append((session, [tuple(r) for r in merged]))
         # NOTE: [Σ s·g, Σ s·loss]: the gradient step writes it, the all-reduce sums it into ``_result``
