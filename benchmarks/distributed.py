@@ -68,8 +68,8 @@ def rank(name: str, epochs: int, transport: str, sync_every: int, buckets: int =
     runner = distributed.DataParallelRunner(*steps, batch_size=rows, session_options=_options(), transport=transport,
                                             sync_every=sync_every, buckets=buckets)
     spent, reducer = [0.0], runner._reducer
+    reduce = None if reducer is None else reducer.reduce
     if reducer is not None and not runner._pieces:  # NOTE: split, the all-reduce overlaps the pieces: not timed
-        reduce = reducer.reduce
 
         def timed_reduce():
             t0 = time.perf_counter()

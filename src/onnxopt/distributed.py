@@ -187,8 +187,8 @@ def pieces(model: onnx.ModelProto, sizes: dict[str, int], parts: int) -> list[tu
     outs = {v.name: v for v in m.graph.outputs}
     grads = sorted(sizes, key=lambda w: order.get(outs[f"{GRADS}/{w}"].producer(), -1))
     total, buckets, done = sum(sizes.values()), [[]], 0
-    for w in grads:  # NOTE: a new bucket once the previous ones hold their share of the bytes
-        if buckets[-1] and done >= total * len(buckets) / parts:
+    for w in grads:  # NOTE: a new bucket where this gradient's middle passes the previous buckets' share of the bytes
+        if buckets[-1] and done + sizes[w] / 2 > total * len(buckets) / parts:
             buckets.append([])
         buckets[-1].append(w)
         done += sizes[w]
