@@ -1,14 +1,18 @@
-"""Data-parallel scaling on this machine: W3 and W5 with 1 and 2 gloo ranks at one thread each.
+"""Data-parallel scaling on this machine: W3 and W5, 2 gloo ranks against the machine's capacity for two.
 
-For each workload, alternating ``--rounds`` times: one process with ``Runner`` (the fused step, 1 thread), then
-``DataParallelRunner`` on 1 rank and on 2 ranks (processes started here, gloo on 127.0.0.1, 1 thread each), each
-timing ``--epochs`` epochs of the workload's data after one untimed epoch. Reported: samples/s (median over the
-rounds), the 2-rank / 1-process ratio (target >= 1.7), and the all-reduce's share of a rank's step time, both
-as measured in the epochs (waits for the other rank included) and for 20 all-reduces of the same buffer alone;
-the rest of a 2-rank step (its half batch's gradients and the update, both cores busy) against a 1-process step
-is the floor the all-reduce sits on.
+For each workload, alternating ``--rounds`` times: one process with ``Runner`` (the fused step, 1 thread); two
+such processes at once, independent (the *capacity*: what 2 cores give two single-threaded trainings); then
+``DataParallelRunner`` on 2 ranks (processes started here, 1 thread each) with each all-reduce (``shm``: the
+shared-memory one, ``gloo``: TCP loopback; over gloo also with the gradient step split in 2 pieces, the first
+piece's all-reduce overlapping the second) and with ``--sync-every`` K micro-batches per update over shm. Each
+times ``--epochs`` epochs after one untimed epoch; the global batch is the workload's (K times it per update with
+accumulation). Reported: samples/s (median over the rounds), 2 ranks / capacity (targets: >= 0.7 on W3, >= 0.8
+on W5) and / 1 process, the all-reduce's share of a rank's step (waits for the other rank included), and the
+load average at the start and the end (the machine may be shared).
 
-    python benchmarks/distributed.py W3 W5 [--epochs 1] [--rounds 3]
+    python benchmarks/distributed.py W3 W5 [--epochs 1] [--rounds 3] [--sync-every 4] [--paper]
+
+``--paper`` prints instead the model on paper (``paper``), calibrated by one process's step on this machine.
 """
 
 from __future__ import annotations
@@ -55,49 +59,88 @@ def single(name: str, epochs: int) -> float:
     return wl.n * epochs / _timed(lambda: runner.epoch(X, y), epochs)
 
 
-def rank(name: str, epochs: int) -> None:
+def rank(name: str, epochs: int, transport: str, sync_every: int, buckets: int = 1) -> None:
     """One rank (RANK/WORLD_SIZE set): prints JSON {samples/s, all-reduce seconds, seconds, all-reduce alone}."""
     wl = WORKLOADS[name]
     X, y = wl.data()
     steps = distributed.split_step(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update), learning_rate=wl.lr)
-    runner = distributed.DataParallelRunner(*steps, batch_size=wl.batch, session_options=_options())
-    spent, dist = [0.0], runner._dist
-    if dist is not None:
-        reduce = dist.all_reduce
+    rows = wl.batch * sync_every
+    runner = distributed.DataParallelRunner(*steps, batch_size=rows, session_options=_options(), transport=transport,
+                                            sync_every=sync_every, buckets=buckets)
+    spent, reducer = [0.0], runner._reducer
+    reduce = None if reducer is None else reducer.reduce
+    if reducer is not None and not runner._pieces:  # NOTE: split, the all-reduce overlaps the pieces: not timed
 
-        def timed_reduce(tensor):
+        def timed_reduce():
             t0 = time.perf_counter()
-            reduce(tensor)
+            reduce()
             spent[0] += time.perf_counter() - t0
 
-        runner._dist = type("Timed", (), {"all_reduce": staticmethod(timed_reduce),
-                                          "all_gather_object": runner._dist.all_gather_object})
-    runner.epoch(X, y)
+        reducer.reduce = timed_reduce
+    runner.epoch(X, y, batch_size=rows)
     spent[0] = 0.0
-    seconds = _timed(lambda: runner.epoch(X, y), epochs)
+    seconds = _timed(lambda: runner.epoch(X, y, batch_size=rows), epochs)
     alone = 0.0
-    if dist is not None:  # NOTE: the same all-reduce with no step around it: its own cost
-        dist.barrier()
+    if reducer is not None:  # NOTE: the same all-reduce with no step around it: its own cost
+        runner._dist.barrier()
         t0 = time.perf_counter()
         for _ in range(20):
-            dist.all_reduce(runner._tensor)
+            reduce()
         alone = (time.perf_counter() - t0) / 20
     print(json.dumps({"samples_s": wl.n * epochs / seconds, "allreduce_s": spent[0], "seconds": seconds,
-                      "alone_s": alone, "steps": wl.steps * epochs}))
+                      "alone_s": alone, "updates": -(-wl.n // rows) * epochs, "transport": runner.transport}))
 
 
-def ranks(name: str, n: int, epochs: int) -> dict:
+def _spawn(args: list[str], n: int, env: dict) -> list[str]:
+    procs = [subprocess.Popen([sys.executable, __file__, *args], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              text=True) for r in range(n)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{args}: a process failed: {[p.returncode for p in procs]}")
+    return [o.strip().splitlines()[-1] for o in outs]
+
+
+def ranks(name: str, n: int, epochs: int, transport: str, sync_every: int = 1, buckets: int = 1) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", name, "--epochs", str(epochs)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True) for r in range(n)]
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{name}: a rank failed: {[p.returncode for p in procs]}")
-    return json.loads(outs[0].strip().splitlines()[-1])
+    out = _spawn(["--rank", name, "--epochs", str(epochs), "--transport", transport, "--sync-every",
+                  str(sync_every), "--buckets", str(buckets)], n, env)
+    return json.loads(out[0])
+
+
+def capacity(name: str, epochs: int) -> float:
+    """Samples/s of two independent single-threaded processes running at once, summed."""
+    out = _spawn(["--single", name, "--epochs", str(epochs)], 2, {**os.environ, "OMP_NUM_THREADS": "1"})
+    return sum(float(o) for o in out)
+
+
+LINKS = {"10 Gb/s": (10e9 / 8, 50e-6), "100 Gb/s": (100e9 / 8, 10e-6)}  # NOTE: (bytes/s, latency of a message)
+
+
+def ring(ranks: int, nbytes: float, link: tuple[float, float]) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` on ``link``: 2(N-1) messages of nbytes/N each."""
+    bandwidth, latency = link
+    return 2 * (ranks - 1) * (nbytes / ranks / bandwidth + latency)
+
+
+def paper(name: str, step_s: float, sync_every: int) -> None:
+    """The model on paper: a rank's step = ``step_s`` (one process's step on this machine, the workload's batch
+    per rank) + a ring all-reduce of the gradients; printed as the efficiency step_s / (step_s + all-reduce)
+    (the ranks' throughput against as many independent processes) for float32, bf16 and sync every K."""
+    nbytes = 4 * (WORKLOADS[name].n_parameters + 1)
+    print(f"\n{name}: {nbytes / 1e6:.1f} MB of gradients, a step of {1e3 * step_s:.1f} ms (1 thread, batch "
+          f"{WORKLOADS[name].batch} a rank); efficiency = step / (step + all-reduce), no overlap")
+    print(f"| ranks | {' | '.join(f'{k} fp32 | {k} bf16 | {k} fp32, sync every {sync_every}' for k in LINKS)} |")
+    print("| --- " * (1 + 3 * len(LINKS)) + "|")
+    for n in (2, 4, 8, 16, 32, 64):
+        cells = []
+        for link in LINKS.values():
+            fp32, bf16 = ring(n, nbytes, link), ring(n, nbytes / 2, link)
+            cells += [step_s / (step_s + t) for t in (fp32, bf16, fp32 / sync_every)]
+        print(f"| {n} | {' | '.join(f'{c:.2f}' for c in cells)} |")
 
 
 def main() -> None:
@@ -105,25 +148,47 @@ def main() -> None:
     parser.add_argument("workloads", nargs="*", default=["W3", "W5"])
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sync-every", type=int, default=4)
+    parser.add_argument("--paper", action="store_true", help="print the model on paper, calibrated by one process")
     parser.add_argument("--rank", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--single", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--buckets", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
-        return rank(args.rank, args.epochs)
-    print("| workload | 1 process (samples/s) | 1 rank | 2 ranks | 2 ranks / 1 process | all-reduce share (2 ranks) "
-          "| all-reduce alone (ms) / step (ms) | rest of a 2-rank step (ms) / 1-process step (ms) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        return rank(args.rank, args.epochs, args.transport, args.sync_every, args.buckets)
+    if args.single:
+        return print(single(args.single, args.epochs))
+    k = args.sync_every
+    if args.paper:
+        for name in args.workloads:
+            paper(name, WORKLOADS[name].batch / single(name, args.epochs), k)
+        return None
+    print(f"load average at the start: {os.getloadavg()[0]:.2f}")
+    print(f"| workload | 1 process (samples/s) | capacity: 2 processes | 2 ranks shm | 2 ranks gloo | 2 ranks gloo, "
+          f"step in 2 pieces | 2 ranks shm, sync every {k} | shm / capacity | gloo / capacity | gloo 2 pieces / "
+          f"capacity | shm K={k} / capacity | shm / 1 process | all-reduce share: shm, gloo | all-reduce alone (ms): "
+          "shm, gloo |")
+    print("| --- " * 14 + "|")
     med = statistics.median
     for name in args.workloads:
         rows = []
         for _ in range(args.rounds):
-            one, r1, two = single(name, args.epochs), ranks(name, 1, args.epochs), ranks(name, 2, args.epochs)
-            rows.append((one, r1["samples_s"], two["samples_s"], two["allreduce_s"] / two["seconds"],
-                         1e3 * two["alone_s"], 1e3 * two["seconds"] / two["steps"],
-                         1e3 * (two["seconds"] - two["allreduce_s"]) / two["steps"], 1e3 * WORKLOADS[name].batch / one))
-        one, r1, r2, share, alone, step, rest, single_step = (med(col) for col in zip(*rows))
-        print(f"| {name} | {one:.0f} | {r1:.0f} | {r2:.0f} | {r2 / one:.2f} (rounds "
-              f"{', '.join(f'{r[2] / r[0]:.2f}' for r in rows)}) | {100 * share:.0f}% | {alone:.1f} / {step:.1f} "
-              f"| {rest:.1f} / {single_step:.1f} |", flush=True)
+            one, cap = single(name, args.epochs), capacity(name, args.epochs)
+            shm, gloo = ranks(name, 2, args.epochs, "shm"), ranks(name, 2, args.epochs, "gloo")
+            split, acc = ranks(name, 2, args.epochs, "gloo", 1, 2), ranks(name, 2, args.epochs, "shm", k)
+            rows.append((one, cap, shm["samples_s"], gloo["samples_s"], split["samples_s"], acc["samples_s"],
+                         shm["allreduce_s"] / shm["seconds"], gloo["allreduce_s"] / gloo["seconds"],
+                         1e3 * shm["alone_s"], 1e3 * gloo["alone_s"]))
+            print("  round:", " ".join(f"{v:.3g}" for v in rows[-1]), f"load {os.getloadavg()[0]:.2f}", flush=True)
+        one, cap, shm, gloo, split, acc, s_share, g_share, s_alone, g_alone = (med(col) for col in zip(*rows))
+        print(f"| {name} | {one:.0f} | {cap:.0f} | {shm:.0f} | {gloo:.0f} | {split:.0f} | {acc:.0f} | {shm / cap:.2f} "
+              f"(rounds {', '.join(f'{r[2] / r[1]:.2f}' for r in rows)}) | {gloo / cap:.2f} | {split / cap:.2f} | "
+              f"{acc / cap:.2f} | "
+              f"{shm / one:.2f} | {100 * s_share:.0f}%, {100 * g_share:.0f}% | {s_alone:.2f}, {g_alone:.2f} |",
+              flush=True)
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+
 
 if __name__ == "__main__":
     main()

@@ -9,11 +9,12 @@ is the time to read and cut the file into blocks once, nothing trained: what the
 W1 runs at its own 750 rows, which a fit reads whole and trains as arrays (at most ``stream.CACHE_BYTES``,
 12 MB), 10× ``--epochs`` a fit (opening the file would weigh on 3 epochs of 5 ms), and at 120,000 rows
 ("W1x160", 48 MB), read from the file every epoch. "W3-list" is W3 written as one FixedSizeList column of 784
-floats (the features of a row side by side: read without a transposition) instead of 784 columns.
+floats (the features of a row side by side: read without a transposition) instead of 784 columns; "W3-npy" is
+W3's Parquet file converted by ``stream.write_npy`` (``onnxopt convert``) into X.npy/y.npy, streamed as memmaps.
 Memory: a subprocess fits W1's MLP (batch 256) on ``--rss-rows`` rows of 100 float32 features, and reports its
 peak RSS (VmHWM: ru_maxrss would start from this parent's) before and after the fit beside the file's size.
 
-    python benchmarks/streaming.py W1-sgd W1x160 W3 W3-list [--rounds 3] [--rss-rows 1500000]  (under 3 minutes on 2 idle cores)
+    python benchmarks/streaming.py W1-sgd W1x160 W3 W3-list W3-npy [--rounds 3] [--rss-rows 1500000]  (under 3 minutes on 2 idle cores)
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ def _write(path: str, X: np.ndarray, y: np.ndarray, tensor: bool = False) -> Non
 
 
 def speed(name: str, rounds: int, epochs: int, folder: str) -> tuple[float, float, list[float]]:
-    wl = WORKLOADS["W1-sgd"] if name == "W1x160" else WORKLOADS[name.removesuffix("-list")]
+    wl = WORKLOADS["W1-sgd"] if name == "W1x160" else WORKLOADS[name.removesuffix("-list").removesuffix("-npy")]
     if name == "W1x160":
         wl = dataclasses.replace(wl, n=wl.n * 160)
     X, y = wl.data()
     path = os.path.join(folder, f"{name}.parquet")
     _write(path, X, y, tensor=name.endswith("-list"))
+    if name.endswith("-npy"):  # NOTE: the Parquet file converted as `onnxopt convert` does
+        stream.write_npy(stream.as_stream(path, target="y"), path := os.path.join(folder, name))
     # NOTE: one Trainer per source, each first fitted on its own: a streamed fit's sessions do not spin
     ests = [onnxopt.Trainer(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update), learning_rate=wl.lr,
                             batch_size=wl.batch, max_iter=epochs, shuffle=False, tol=None, warm_start=True)
@@ -102,7 +105,7 @@ def peak_rss(rows: int, folder: str) -> tuple[int, int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workloads", nargs="*", default=["W1-sgd", "W1x160", "W3", "W3-list"])
+    parser.add_argument("workloads", nargs="*", default=["W1-sgd", "W1x160", "W3", "W3-list", "W3-npy"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rss-rows", type=int, default=1_500_000)

@@ -119,7 +119,8 @@ def write_training_fixtures(folder: Path) -> dict:
         artifacts.generate_artifacts(model, requires_grad=trained, frozen_params=frozen, loss=loss, optimizer=optim,
                                      artifact_directory=out, nominal_checkpoint=nominal)
         y = labels if loss == artifacts.LossType.CrossEntropyLoss else targets
-        state = api.CheckpointState.load_checkpoint(out / "checkpoint")
+        # NOTE: nominal_checkpoint=True writes the complete checkpoint and a nominal one beside it, as onnxruntime
+        state = api.CheckpointState.load_checkpoint(out / ("nominal_checkpoint" if nominal else "checkpoint"))
         module = api.Module(out / "training_model.onnx", state, out / "eval_model.onnx")
         initial = onnxopt.train_initializers(model)
         flat = np.concatenate([initial[n].ravel() for n in ("coef_0", "bias_0", "coef_1", "bias_1")])

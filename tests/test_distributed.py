@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 
 import onnxopt
@@ -163,3 +164,118 @@ def test_a_faulty_rank_stops_the_others(fault, tmp_path):
                               checkpoint_dir=str(tmp_path / "ck"))  # NOTE: the ranks' optimizer
         est.fit(X, X.sum(1))
         assert est.n_iter_ == 1 and len(est.train_losses_) == 1 and time.perf_counter() - t0 < 60
+
+
+def _launch(cfg: dict, ranks: int = 2, timeout: int = 240) -> None:
+    """Runs tests/distributed_worker.py on ``ranks`` local gloo ranks with ``cfg``; fails with their stderr."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "distributed_worker.py"), json.dumps(cfg)],
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**ENV, "RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "ONNXOPT_TIMEOUT": "60"})
+             for r in range(ranks)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+
+
+def _reference(model, update, lr, X, y, sw, batch) -> tuple[dict, np.ndarray]:
+    """Weights and losses of one process (the fused step) after 2 epochs of batches of ``batch`` rows."""
+    ref = onnxopt.Runner(onnxopt.compile_train_step(model, loss="square", update=update, learning_rate=lr),
+                         batch_size=batch)
+    losses = [ref.step(X[i:i + batch], y[i:i + batch], None if sw is None else sw[i:i + batch])
+              for _ in range(2) for i in range(0, len(X), batch)]
+    return ref.get_weights(), np.array(losses)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sync_every_k_gives_one_process_with_k_times_the_batch(weighted):
+    """Float64, Adam, 100 rows: 3 micro-batches of 8 accumulated per update equal one process with batch 24 (the
+    last update of an epoch on 4 rows), to float64 rounding; the losses are those of the 24-row batches."""
+    rng = np.random.default_rng(4)
+    X, sw = rng.normal(size=(100, 5)), rng.uniform(0.2, 2, 100) if weighted else None
+    y, model = np.tanh(X @ rng.normal(size=5)), mlp([5, 8, 1], dtype=np.float64)
+    want, want_losses = _reference(model, "adam", 0.01, X, y, sw, 24)
+    dp = distributed.DataParallelRunner(*distributed.split_step(model, loss="square", update="adam",
+                                                                learning_rate=0.01), batch_size=24, sync_every=3)
+    losses = np.concatenate([dp.epoch(X, y, sw) for _ in range(2)])
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
+    assert dp.step_count == len(want_losses) == 10
+    for k, v in want.items():
+        np.testing.assert_allclose(dp.get_weights()[k], v, rtol=1e-10, atol=1e-13, err_msg=k)
+
+
+def test_trainer_sync_every_trains_like_k_times_the_batch():
+    """Trainer(batch_size=8, sync_every=3) gives the weights of Trainer(batch_size=24), shuffled, float64."""
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(90, 4))
+    y = X @ rng.normal(size=4)
+    kw = dict(update="sgd", learning_rate=0.05, max_iter=3, tol=None, scale="never")
+    one = onnxopt.Trainer(mlp([4, 6, 1], dtype=np.float64), batch_size=24, **kw).fit(X, y)
+    acc = onnxopt.Trainer(mlp([4, 6, 1], dtype=np.float64), batch_size=8, sync_every=3, **kw).fit(X, y)
+    assert acc.runner_.step_count == one.runner_.step_count == 12
+    np.testing.assert_allclose(acc.train_losses_, one.train_losses_, rtol=1e-12)
+    for k, v in one.runner_.get_weights().items():
+        np.testing.assert_allclose(acc.runner_.get_weights()[k], v, rtol=1e-10, atol=1e-13, err_msg=k)
+
+
+@pytest.mark.parametrize("name,value", [("sync_every", 0), ("compress", "int8"), ("transport", "nccl"),
+                                        ("buckets", 0)])
+def test_data_parallel_options_are_checked(name, value):
+    steps = distributed.split_step(mlp([3, 4, 1]), loss="square", update="sgd")
+    with pytest.raises(onnxopt.errors.DataError, match=f"{name}: expected .*got {value!r}"):
+        distributed.DataParallelRunner(*steps, **{name: value})
+
+
+RUNS = {  # NOTE: one launch of 2 ranks runs them all; batch = rows per update; buckets > 1: a split step
+    "shm": dict(batch=24), "shm_k3": dict(batch=24, sync_every=3, weighted=True),
+    "gloo_buckets": dict(batch=24, transport="gloo", buckets=3, sync_every=2),
+    "gloo": dict(batch=24, transport="gloo", weighted=True),
+    "gloo_pieces": dict(batch=24, transport="gloo", buckets=2, weighted=True),
+    "gloo_pieces3": dict(batch=24, transport="gloo", buckets=3),
+    "bf16": dict(batch=24, compress="bf16", buckets=2), "fp16": dict(batch=24, compress="fp16")}
+
+
+def test_two_ranks_give_one_process_with_the_global_batch(tmp_path):
+    """2 gloo ranks, float64 (float32 for the compressed runs), Adam, 2 epochs of 97 rows (the last batch's row on
+    rank 1 alone): the shared-memory and the gloo all-reduce (in 3 asynchronous buckets, or started piece by piece
+    of a gradient step split in 2 or 3), with and without sample weights and accumulation over micro-batches, give
+    the weights of one process with batch 24, to float64 rounding; bf16 and fp16 compression come close to them
+    (relative to how far training moved the weights), not equal."""
+    pytest.importorskip("torch.distributed")
+    rng = np.random.default_rng(6)
+    X, sw = rng.normal(size=(97, 5)), rng.uniform(0.2, 2, 97)
+    y = np.tanh(X @ rng.normal(size=5))
+    np.savez(tmp_path / "d.npz", X=X, y=y, sw=sw)
+    onnx.save(mlp([5, 16, 16, 1], dtype=np.float64), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d32.npz", X=X.astype(np.float32), y=y.astype(np.float32), sw=sw.astype(np.float32))
+    onnx.save(mlp([5, 16, 16, 1]), tmp_path / "m32.onnx")
+    exact = {k: v for k, v in RUNS.items() if "compress" not in v}
+    compressed = {k: v for k, v in RUNS.items() if "compress" in v}
+    for runs, suffix in ((exact, ""), (compressed, "32")):
+        _launch(dict(data=str(tmp_path / f"d{suffix}.npz"), model=str(tmp_path / f"m{suffix}.onnx"), update="adam",
+                     lr=0.01, out=str(tmp_path), runs=runs))
+    for name, run in RUNS.items():
+        got = dict(np.load(tmp_path / f"{name}.npz"))
+        assert str(got.pop("transport")) == ("gloo" if "compress" in run else run.get("transport", "shm")), name
+        split = (run.get("transport") == "gloo" or "compress" in run) and run.get("sync_every", 1) == 1
+        assert int(got.pop("pieces")) == (run.get("buckets", 1) if split and run.get("buckets", 1) > 1 else 0), name
+        float32 = "compress" in run
+        model = mlp([5, 16, 16, 1], dtype=np.float32 if float32 else np.float64)
+        cast = (lambda a: a.astype(np.float32)) if float32 else (lambda a: a)  # noqa: E731
+        want, losses = _reference(model, "adam", 0.01, cast(X), cast(y), cast(sw) if run.get("weighted") else None, 24)
+        start = {t.name: ir.serde.deserialize_tensor(t).numpy() for t in model.graph.initializer}
+        if not float32:
+            np.testing.assert_allclose(got.pop("losses"), losses, rtol=1e-12, err_msg=name)
+            for k, v in want.items():
+                np.testing.assert_allclose(got[k], v, rtol=1e-10, atol=1e-13, err_msg=f"{name}: {k}")
+            continue
+        np.testing.assert_allclose(got.pop("losses"), losses, rtol=2e-2, err_msg=name)
+        moved = max(np.abs(v - start[k]).max() for k, v in want.items())
+        off = max(np.abs(got[k] - v).max() for k, v in want.items())
+        assert 0 < off < 0.05 * moved, (name, off, moved)

@@ -78,8 +78,8 @@ def test_steps_epoch_models_and_side_models_hold_no_unread_initializer(update, r
     X = rng.normal(size=(64, 4)).astype(np.float32)
     runner.epoch(X, X.sum(axis=1), batch_size=16)
     side = cpu_model(step, 16).side  # NOTE: computes the values that depend on the sample weights alone
-    assert runner._epoch_model is not None and side is not None
-    for name, model in {"epoch": runner._epoch_model, "side": onnx.load_from_string(side)}.items():
+    assert runner._epochs.model is not None and side is not None
+    for name, model in {"epoch": runner._epochs.model, "side": onnx.load_from_string(side)}.items():
         assert _unread(model) == [], name
 
 

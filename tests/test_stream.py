@@ -4,6 +4,7 @@ import os
 import threading
 
 import numpy as np
+import onnx
 import pytest
 
 import onnxopt
@@ -269,3 +270,36 @@ def test_parquet_fit_peak_rss_is_bounded(tmp_path):
 
 def _table_wide(X, y):
     return pa.table({**{f"f{i}": X[:, i] for i in range(X.shape[1])}, "y": y})
+
+
+def test_npy_folder_streams_the_rows_of_the_parquet_file(tmp_path, monkeypatch, capsys):
+    """`onnxopt convert` writes a Parquet file's rows as X.npy/y.npy; a Trainer streaming that folder (memmaps,
+    nothing decoded) trains the weights it trains on the Parquet file (in order, batches of 7 over row groups of
+    50); `onnxopt fit` hints at the conversion for a Parquet file it decodes each epoch, and reads the folder."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    from onnxopt.cli import main
+    from onnxopt.examples import mlp
+
+    monkeypatch.setattr(stream, "CACHE_BYTES", 0)  # NOTE: streamed, not read whole
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(230, 4)).astype(np.float32)
+    pq.write_table(pa.table({**{f"f{i}": X[:, i] for i in range(4)}, "y": X.sum(1)}), tmp_path / "d.parquet",
+                   row_group_size=50)
+    assert main(["convert", str(tmp_path / "d.parquet"), "--target", "y", "-o", str(tmp_path / "npy")]) == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "npy" / "X.npy"), X)
+    np.testing.assert_array_equal(np.load(tmp_path / "npy" / "y.npy"), X.sum(1))
+    assert sorted(p.name for p in (tmp_path / "npy").iterdir()) == ["X.npy", "y.npy"]
+    kw = dict(update="sgd", learning_rate=0.05, batch_size=7, max_iter=2, tol=None, shuffle=False, scale=False)
+    parquet = onnxopt.Trainer(mlp([4, 5, 1]), **kw).fit(str(tmp_path / "d.parquet"), target="y")
+    npy = onnxopt.Trainer(mlp([4, 5, 1]), **kw).fit(str(tmp_path / "npy"))
+    for k, v in parquet.runner_.get_weights().items():
+        np.testing.assert_allclose(npy.runner_.get_weights()[k], v, rtol=1e-6, err_msg=k)
+    onnx.save(mlp([4, 5, 1]), tmp_path / "m.onnx")
+    common = ["--epochs", "1", "--validation-fraction", "0", "--update", "sgd", "--lr", "0.05"]
+    capsys.readouterr()
+    assert main(["fit", str(tmp_path / "m.onnx"), str(tmp_path / "d.parquet"), "--target", "y", *common, "-o",
+                 str(tmp_path / "a.onnx")]) == 0
+    assert "onnxopt convert" in capsys.readouterr().err
+    assert main(["fit", str(tmp_path / "m.onnx"), str(tmp_path / "npy"), *common, "-o", str(tmp_path / "b.onnx")]) == 0
+    out = capsys.readouterr()
+    assert "trained 1 epochs on 230 samples" in out.out and "onnxopt convert" not in out.err, out

@@ -32,7 +32,7 @@ for (const name of Object.keys(BINDINGS)) {
         ort.env.logLevel = "error";
         const folder = join(FIXTURES, c.name);
         const session = await TrainingSession.create(ort, {
-          checkpointState: join(folder, "checkpoint"), trainModel: join(folder, "training_model.onnx"),
+          checkpointState: join(folder, c.nominal ? "nominal_checkpoint" : "checkpoint"), trainModel: join(folder, "training_model.onnx"),
           evalModel: join(folder, "eval_model.onnx"), optimizerModel: join(folder, "optimizer_model.onnx") });
         assert.deepEqual(session.trainingInputNames, session.evalInputNames);
         assert.deepEqual(session.trainingOutputNames, ["loss"]);

@@ -166,6 +166,8 @@ def load_data(path: str, target: str | None, features: list[str] | None = None) 
     """Reads (X, y) from a .npz (arrays ``X`` and ``target`` or ``y``) or a .csv with a header row (``features``
     names its feature columns, in the model's order; default: every column but ``target``); a Parquet file or
     folder is returned as ``(path, None)``, streamed by the Trainer (``onnxopt.stream``)."""
+    if os.path.isfile(os.path.join(path, "X.npy")):  # NOTE: `onnxopt convert`'s arrays, streamed as memmaps
+        return path, None
     if os.path.isdir(path) or path.lower().endswith(".parquet"):
         if target is None:
             raise _Fail(f"--target: a Parquet DATA needs its target column named, got none for {path!r}")
@@ -283,6 +285,8 @@ def _fit(args: argparse.Namespace) -> int:
     X, y = load_data(args.data, args.target, features)  # NOTE: the Trainer casts them to the model's dtype
     if args.workers < 1:
         raise _Fail(f"--workers: expected an integer >= 1, got {args.workers}")
+    if args.sync_every < 1:
+        raise _Fail(f"--sync-every: expected an integer >= 1, got {args.sync_every}")
     if not 0 <= args.validation_fraction < 1:
         raise _Fail(f"--validation-fraction: expected a fraction in [0, 1), got {args.validation_fraction}")
     done = _checkpoint_epochs(args.checkpoint)
@@ -301,10 +305,15 @@ def _fit(args: argparse.Namespace) -> int:
     est = Trainer(args.model, batch_size=args.batch_size, max_iter=args.epochs, random_state=args.seed,
                   verbose=0 if args.quiet or rank else 1, checkpoint_dir=args.checkpoint, tol=args.tol,
                   early_stopping=args.validation_fraction > 0, validation_fraction=args.validation_fraction or 0.1,
-                  n_iter_no_change=args.n_iter_no_change, scale=args.scale, **kwargs)
+                  n_iter_no_change=args.n_iter_no_change, scale=args.scale, sync_every=args.sync_every,
+                  compress=args.compress, device=args.device, **kwargs)
     t0 = time.perf_counter()
     if y is None:  # NOTE: opened once (the Trainer reads a small source whole and trains it as arrays)
         X = as_stream(X, features=features, target=args.target)
+        if not X.small and getattr(X, "scalars", False) and not rank and not args.quiet:
+            print(f"hint: {args.data} is decoded from {len(X.features)} Parquet columns every epoch; `onnxopt convert "
+                  f"{args.data} --target {args.target} -o DIR` writes it row-major (.npy), which `onnxopt fit` streams "
+                  "without decoding", file=sys.stderr)
     try:
         est.fit(X, y, features=features if y is None else None, target=args.target if y is None else None)
     except CheckpointError as exc:
@@ -327,6 +336,15 @@ def _fit(args: argparse.Namespace) -> int:
     if y is not None:  # NOTE: a streamed source is read once more by its metrics: not here
         _print_metrics(est, X, y, args.validation_fraction)
     return 0
+
+def _convert(args: argparse.Namespace) -> int:
+    from onnxopt.stream import write_npy
+
+    source = as_stream(load_data(args.data, args.target)[0], features=args.features.split(",") if args.features
+                       else None, target=args.target)
+    print(f"wrote {write_npy(source, args.out)} rows to {args.out} (X.npy, y.npy)")
+    return 0
+
 
 # NOTE: torch.distributed.run's agent, ending with the failed rank's exit code instead of its ChildFailedError
 # traceback and error log (the rank has printed its own one-line error)
@@ -595,10 +613,26 @@ def _parser() -> argparse.ArgumentParser:
                      "DATA, in the model's order (default: every column but --target)")
     fit.add_argument("--workers", type=int, default=1, help="local ranks training data-parallel on "
                      "torch.distributed (gloo); --batch-size stays the global batch")
+    fit.add_argument("--sync-every", type=int, default=1, metavar="K",
+                     help="accumulate the gradients of K batches before each update (the weights of one process "
+                          "with K times --batch-size; fewer all-reduces under --workers)")
+    fit.add_argument("--compress", choices=["bf16", "fp16"], default=None,
+                     help="send the ranks' gradients as 16-bit floats (over gloo; not bit-equal to one process)")
+    fit.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                     help="where the step runs: cuda needs onnxruntime-gpu's CUDAExecutionProvider")
     fit.add_argument("--timeout", type=float, default=300.0,
                      help="seconds a rank waits for the others before stopping with an error")
     _add_training_options(fit, update="adam", lr=3e-3)
     fit.set_defaults(func=_fit)
+
+    conv = sub.add_parser("convert", formatter_class=_Formatter, help="write a Parquet DATA as .npy arrays that "
+                          "fit streams without decoding", description="Write the rows of a Parquet DATA, in order, as "
+                          "OUT/X.npy and OUT/y.npy: rows side by side, read by `onnxopt fit model.onnx OUT` as memmaps.")
+    conv.add_argument("data", metavar="DATA", help="a Parquet file or folder")
+    conv.add_argument("--target", required=True, help="the target column")
+    conv.add_argument("--features", default=None, help="comma-separated feature columns (default: all but --target)")
+    conv.add_argument("-o", dest="out", required=True, metavar="OUT", help="the folder to write")
+    conv.set_defaults(func=_convert)
 
     show = sub.add_parser("show", formatter_class=_Formatter, help="draw a (fused) graph, regions coloured",
                           description="Draw MODEL with graphviz `dot`, nodes coloured by region (forward, loss, "

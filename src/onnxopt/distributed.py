@@ -8,8 +8,10 @@
   step counter, checkpoints and ``export`` are the ``Runner``'s).
 Each step a rank scales its gradients and loss by its share s = c / C of the global batch (c its rows, C the
 batch's; with sample weights, their sums: every rank holds the global batch, so s needs no collective), one
-all-reduce sums [s·g, s·loss] over the ranks and every rank applies the same update: N ranks with a global
-batch B give the weights of one process with batch B, to float rounding. torch is imported only when a
+all-reduce sums [s·g, s·loss] over the ranks (``_Shared`` through shared memory on one host, ``_Gloo`` through
+torch.distributed, started bucket by bucket as the ``pieces`` of a split step end) and every rank applies the same
+update: N ranks with a global batch B give the weights of one process with batch B, to float rounding;
+``sync_every`` K accumulates K micro-batches first (one process with batch K·B). torch is imported only when a
 launcher set ``WORLD_SIZE`` or torch is already loaded.
 """
 
@@ -23,6 +25,7 @@ import os
 import sys
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as passes
 import onnxruntime as ort
@@ -32,6 +35,7 @@ from onnxopt.dsl import op, update_rule
 from onnxopt.errors import ConvergenceError, DataError, ModelError, OnnxoptError
 from onnxopt.fuse import compile_train_step
 from onnxopt.protocol import Roles
+from onnxopt.passes.batch import masked_relu_grads
 from onnxopt.runner import Runner, _without_values, default_session_options
 from onnxopt.step import NEW, TrainStep
 
@@ -39,6 +43,7 @@ __all__ = ["DataParallelRunner", "DistributedError", "split_step", "world", "TIM
 
 GRADS = "optim.grads"
 TIMEOUT = float(os.environ.get("ONNXOPT_TIMEOUT", 300))  # NOTE: seconds a collective waits for the other ranks
+COMPRESS = {"bf16": "bfloat16", "fp16": "float16"}  # NOTE: the 16-bit floats a compressed all-reduce sends
 
 
 class DistributedError(OnnxoptError, RuntimeError):
@@ -171,20 +176,194 @@ def _lean(proto):
     return ir.to_proto(m)
 
 
+def pieces(model: onnx.ModelProto, sizes: dict[str, int], parts: int) -> list[tuple[onnx.ModelProto, list[str]]]:
+    """The gradient step split into about ``parts`` models run in order, each ending with a bucket of gradients
+    (``GRADS/<weight>`` outputs, about equal in size, in the order the backward produces them), so that each
+    bucket's all-reduce can start while the next piece runs. A piece's node is one the earliest bucket needing it
+    needs (the forward and the loss go to the first); values crossing pieces are outputs of the first and inputs
+    of the next. Returns [(model, its weights' gradients)]; one piece where the graph has no typed cut values."""
+    m = ir.from_proto(model)
+    passes.TopologicalSortPass()(m)
+    order = {node: i for i, node in enumerate(m.graph)}
+    outs = {v.name: v for v in m.graph.outputs}
+    grads = sorted(sizes, key=lambda w: order.get(outs[f"{GRADS}/{w}"].producer(), -1))
+    total, buckets, done = sum(sizes.values()), [[]], 0
+    for w in grads:  # NOTE: a new bucket where this gradient's middle passes the previous buckets' share of the bytes
+        if buckets[-1] and done + sizes[w] / 2 > total * len(buckets) / parts:
+            buckets.append([])
+        buckets[-1].append(w)
+        done += sizes[w]
+    piece: dict[ir.Node, int] = {}
+    for k, bucket in enumerate(buckets):
+        stack = [outs[f"{GRADS}/{w}"].producer() for w in bucket] + ([v.producer() for v in m.graph.outputs
+                                                                       if not v.name.startswith(GRADS)] if k == 0 else [])
+        while stack:
+            node = stack.pop()
+            if node is None or node in piece:
+                continue
+            piece[node] = k
+            stack.extend(v.producer() for v in node.inputs if v is not None)
+            stack.extend(v.producer() for attr in node.attributes.values() if attr.type == ir.AttributeType.GRAPH
+                         for n in attr.value for v in n.inputs if v is not None)  # NOTE: a subgraph's outer values
+    made = {v.name: k for node, k in piece.items() for v in node.outputs}  # NOTE: by name: pieces are copies
+    needed: dict[str, set[int]] = {}
+    for node, k in piece.items():
+        for v in node.inputs:
+            if v is not None and v.name in made and made[v.name] != k:
+                needed.setdefault(v.name, set()).add(k)
+    typed = {v.name: v.dtype is not None for node in piece for v in node.outputs}
+    if len(buckets) == 1 or not all(typed[name] for name in needed):
+        return [(model, list(sizes))]
+    result = []
+    for k, bucket in enumerate(buckets):
+        part = ir.from_proto(model)
+        values = {v.name: v for node in part.graph for v in node.outputs}
+        for name, users in needed.items():
+            if made[name] < k and k in users:  # NOTE: made by an earlier piece: an input here
+                value = values[name]
+                fed = ir.Value(name=name, type=value.type, shape=value.shape)
+                ir.convenience.replace_all_uses_with(value, fed)
+                value.name = None
+                part.graph.inputs.append(fed)
+        wanted = [f"{GRADS}/{w}" for w in bucket] + ([v.name for v in m.graph.outputs if not v.name.startswith(GRADS)]
+                                                    if k == 0 else [])
+        wanted += sorted(n for n, users in needed.items() if made[n] == k and max(users) > k)
+        named = {v.name: v for v in [*part.graph.outputs, *values.values()] if v.name}
+        part.graph.outputs.clear()
+        part.graph.outputs.extend(named[n] for n in wanted)
+        passes.RemoveUnusedNodesPass()(part)
+        for value in [v for v in part.graph.inputs if not v.uses()]:
+            part.graph.inputs.remove(value)
+        result.append((ir.to_proto(part), bucket))
+    return result
+
+
+class _Gloo:
+    """The all-reduce through torch.distributed: in place on a buffer torch owns, in ``buckets`` slices issued at
+    once as asynchronous work (gloo's threads run them side by side) and waited for together, or slice by slice as
+    the pieces of a split gradient step produce them (``start``, then ``wait``); with ``compress`` the gradients
+    travel as 16-bit floats (as DDP's fp16/bf16 compression hooks), the loss alone in full precision."""
+
+    def __init__(self, dist, size: int, dtype, buckets: int, compress: str | None):
+        import torch
+
+        # NOTE: torch owns the memory (numpy and ORT read it): freeing the tensor in a gloo thread needs no GIL
+        self._dist, self._wire = dist, getattr(torch, COMPRESS[compress]) if compress else None
+        self._tensor = torch.zeros(size + 1, dtype=getattr(torch, np.dtype(dtype).name))
+        self.buffer = self.result = self._tensor.numpy()
+        self._size, self._pending = size, []
+        self._bounds = [size * i // buckets for i in range(buckets + 1)]
+
+    def start(self, lo: int, hi: int) -> None:
+        """Starts the all-reduce of the buffer's [lo, hi) (the loss, at ``size``, never compressed)."""
+        part = self._tensor[lo:hi]
+        sent = part if self._wire is None or lo >= self._size else part.to(self._wire)
+        self._pending.append((part, sent, self._dist.all_reduce(sent, async_op=True)))
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        for part, sent, work in pending:
+            work.wait()
+            if sent is not part:
+                part.copy_(sent)
+
+    def reduce(self) -> None:
+        end = self._size + (self._wire is None)  # NOTE: uncompressed, the loss rides in the last slice
+        bounds = [*self._bounds[:-1], end]
+        for a, b in zip(bounds, bounds[1:]):
+            if b > a:
+                self.start(a, b)
+        if end == self._size:
+            self.start(self._size, self._size + 1)
+        self.wait()
+
+
+class _Shared:
+    """The all-reduce of ranks on one host through one shared-memory file all of them map: rank r's gradient step
+    writes into its slot, and after one barrier every rank sums all slots, in rank order, into its own result,
+    which its update reads: no socket, no copy, the same bits on every rank. Slots alternate between two sets
+    by step: a rank is at most one step ahead of the others (the barrier), so it never writes a set that
+    another still reads. ``open`` returns None unless every rank could map the file."""
+
+    def __init__(self, dist, slots: np.ndarray, rank: int, world: int):
+        self._dist, self._slots, self._rank, self._step = dist, slots, rank, 0
+        self.result = np.zeros(slots.shape[2], slots.dtype)
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """This rank's slot for the current step."""
+        return self._slots[self._step % 2, self._rank]
+
+    @classmethod
+    def open(cls, dist, rank: int, world: int, size: int, dtype) -> _Shared | None:
+        import mmap
+        import secrets
+        import tempfile
+
+        shape, head = (2, world, size + 1), 64  # NOTE: the header holds a token: the file is this group's
+        nbytes = head + math.prod(shape) * np.dtype(dtype).itemsize
+        info = [None]
+        if rank == 0:
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            fd, path = tempfile.mkstemp(prefix="onnxopt-allreduce-", dir=folder)
+            token = secrets.token_bytes(16)
+            os.ftruncate(fd, nbytes)
+            os.pwrite(fd, token, 0)
+            os.close(fd)
+            info = [(path, token)]
+        dist.broadcast_object_list(info, src=0)
+        path, token = info[0]
+        slots = None
+        try:
+            with open(path, "r+b") as f:
+                mapped = mmap.mmap(f.fileno(), nbytes)
+            if mapped[:len(token)] == token:
+                slots = np.frombuffer(mapped, dtype, math.prod(shape), head).reshape(shape)
+        except (OSError, ValueError):
+            pass
+        found = [None] * world
+        dist.all_gather_object(found, slots is not None)
+        if rank == 0:  # NOTE: unlinked once mapped: the memory goes with the last rank, even one killed
+            os.unlink(path)
+        return cls(dist, slots, rank, world) if all(found) else None
+
+    def reduce(self) -> None:
+        self._dist.barrier()  # NOTE: every slot of this step written
+        slots = self._slots[self._step % 2]
+        np.add(slots[0], slots[1], out=self.result)
+        for slot in slots[2:]:
+            np.add(self.result, slot, out=self.result)
+        self._step += 1
+
+
 class DataParallelRunner:
     """A ``Runner`` for one rank: ``step``/``epoch`` take the *global* batch and train this rank's rows of it.
 
-    Rank r of N trains rows [n·r/N, n·(r+1)/N) of each batch of n rows. Weights, state, ``export`` and the rest
-    of the ``Runner`` API come from the update step's Runner (``updater``); rank 0 alone writes checkpoints.
+    Rank r of N trains rows [n·r/N, n·(r+1)/N) of each batch of n rows, in ``sync_every`` micro-batches whose
+    gradients it accumulates before the all-reduce and the update: the weights of one process with batch n.
+    ``transport``: "shm" (ranks on one host: a shared-memory all-reduce), "gloo" (torch.distributed; with
+    ``buckets`` > 1 the gradient step split into that many pieces (``pieces``), each bucket's all-reduce started as
+    its piece ends; ``compress``="bf16" or "fp16" halves the bytes sent: not bit-equal) or "auto" (shm where every
+    rank maps it and nothing is compressed, else gloo). Weights, state, ``export`` and the
+    rest of the ``Runner`` API come from the update step's Runner (``updater``); rank 0 alone writes checkpoints.
     """
 
     def __init__(self, grad: TrainStep, update: TrainStep, device: str = "cpu", batch_size: int = 32,
-                 session_options: ort.SessionOptions | None = None):
+                 session_options: ort.SessionOptions | None = None, sync_every: int = 1, compress: str | None = None,
+                 transport: str = "auto", buckets: int = 1):
         if device != "cpu":
             raise DataError(f"device: data-parallel training runs on 'cpu' (gloo) so far, got {device!r}; "
                             "docs/tutorials/distributed.md describes the CUDA (NCCL) design")
+        for name, value, ok, expected in (
+                ("sync_every", sync_every, type(sync_every) is int and sync_every >= 1, "an integer >= 1"),
+                ("buckets", buckets, type(buckets) is int and buckets >= 1, "an integer >= 1"),
+                ("compress", compress, compress in (None, *COMPRESS), f"None or one of {sorted(COMPRESS)}"),
+                ("transport", transport, transport in ("auto", "gloo", "shm") and not (compress and transport == "shm"),
+                 "'auto', 'gloo' or 'shm' ('shm' sends nothing to compress)")):
+            if not ok:
+                raise DataError(f"{name}: expected {expected}, got {value!r}")
         self.rank, self.world, self._dist = world()
-        self.train_step, self.device, self.batch_size = grad, device, batch_size
+        self.train_step, self.device, self.batch_size, self.sync_every = grad, device, batch_size, sync_every
         self._roles = Roles.of(grad)  # NOTE: the gradient step's names by role, from its protocol
         weights = grad.initial_weights()
         self._size = sum(a.size for a in weights.values())
@@ -198,23 +377,50 @@ class DataParallelRunner:
             return opts
 
         self.updater = Runner(update, device, session_options=options(1), batch_size=1)
-        self.session = ort.InferenceSession(_without_values(grad.model, weights),
-                                            options(max(1, batch_size // self.world)), providers=["CPUExecutionProvider"])
+        rows = max(1, batch_size // (self.world * sync_every))
+        model = ir.from_proto(grad.model)  # NOTE: ReluGrad as a masked product, as the Runner's CPU model (-5% W3)
+        model = ir.to_proto(model) if masked_relu_grads(model, rows) else grad.model
+        self.session = ort.InferenceSession(_without_values(model, weights), options(rows),
+                                            providers=["CPUExecutionProvider"])
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.x_dtype = _numpy(types[grad.inputs[0]])
         self._y_dtype = _numpy(types[grad.target]) if grad.target else None
-        self._buffer = np.zeros(self._size + 1, self.updater.dtype)  # NOTE: [Σ s·g, Σ s·loss], all-reduced
-        if self._dist is not None:  # NOTE: torch owns the memory (numpy and ORT read it): freeing the tensor in a
-            import torch  # gloo thread needs no GIL, which a tensor over a numpy array's memory would take
-
-            self._tensor = torch.zeros(self._buffer.shape, dtype=getattr(torch, self._buffer.dtype.name))
-            self._buffer = self._tensor.numpy()
+        digest = hashlib.sha256(grad.model.SerializeToString() + update.model.SerializeToString()).hexdigest()
+        self._agree("the compiled steps (model, loss, update, options)",
+                    (digest[:16], sync_every, compress, transport, buckets))
+        self.transport, self._reducer = None, None  # NOTE: one rank reduces nothing
+        if self._dist is not None and self.world > 1:
+            if transport != "gloo" and not compress:
+                self._reducer = _Shared.open(self._dist, self.rank, self.world, self._size, self.updater.dtype)
+                if self._reducer is None and transport == "shm":
+                    raise DistributedError("transport: 'shm' needs every rank on one host, mapping one shared-memory "
+                                           "file; some rank could not (use transport='auto' or 'gloo')")
+            if self._reducer is None:
+                self._reducer = _Gloo(self._dist, self._size, self.updater.dtype, buckets, compress)
+            self.transport = "shm" if isinstance(self._reducer, _Shared) else "gloo"
+        self._pieces: list[tuple[ort.InferenceSession, list[tuple[int, int]]]] = []  # NOTE: (session, its slices)
+        if isinstance(self._reducer, _Gloo) and buckets > 1 and sync_every == 1:
+            sizes = {name: math.prod(shape) for name, shape in self._grad_shapes.items()}
+            starts = dict(zip(sizes, np.cumsum([0, *sizes.values()]).tolist()))
+            split = pieces(model, sizes, buckets)
+            for piece, bucket in split if len(split) > 1 else []:
+                merged: list[list[int]] = []  # NOTE: the bucket's slices of the flat buffer, adjacent ones joined
+                for a, b in sorted((starts[w], starts[w] + sizes[w]) for w in bucket):
+                    if merged and merged[-1][1] == a:
+                        merged[-1][1] = b
+                    else:
+                        merged.append([a, b])
+                session = ort.InferenceSession(_without_values(piece, weights), options(rows),
+                                               providers=["CPUExecutionProvider"])
+                self._pieces.append((session, [tuple(r) for r in merged]))
+        # NOTE: [Σ s·g, Σ s·loss]: the gradient step writes it, the all-reduce sums it into ``_result``
+        self._flat = None if self._reducer else np.zeros(self._size + 1, self.updater.dtype)
+        self._result = self._reducer.result if self._reducer else self._flat
+        self._scratch = np.zeros_like(self._result) if sync_every > 1 else None  # NOTE: micro-batches after the first
         self._loss = np.zeros((), self.updater.dtype)
         self._ones_cache = np.ones(0, self.updater.dtype)
-        self._bindings: dict[int, ort.IOBinding] = {}
+        self._bindings: dict[tuple, object] = {}
         self._checked = False
-        digest = hashlib.sha256(grad.model.SerializeToString() + update.model.SerializeToString()).hexdigest()
-        self._agree("the compiled steps (model, loss, update, options)", digest[:16])
 
     @property
     def roles(self) -> Roles:
@@ -253,65 +459,134 @@ class DataParallelRunner:
             self._ones_cache = np.ones(rows, self.updater.dtype)
         return self._ones_cache
 
-    def _binding(self) -> ort.IOBinding:
-        """The gradient session's binding reading the updater's current weights (one per buffer set)."""
-        key = self.updater._ring.current
+    def _binding(self, scratch: bool) -> ort.IOBinding:
+        """The gradient session's binding reading the updater's current weights and writing into the flat buffer
+        (or, for a micro-batch after the first, the scratch one): one per buffer set and target."""
+        key = (self.updater._ring.current, scratch, self._buffer.ctypes.data)
         if key not in self._bindings:
             binding = self.session.io_binding()
             for name, value in self.updater.current_values().items():
                 if name in self._roles.weights:
                     binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(self._roles.loss, ort.OrtValue.ortvalue_from_numpy(self._loss))
-            offset = 0
-            for name, shape in self._grad_shapes.items():
-                size = int(np.prod(shape))
-                view = self._buffer[offset:offset + size].reshape(shape)
-                binding.bind_ortvalue_output(f"{GRADS}/{name}", ort.OrtValue.ortvalue_from_numpy(view))
-                offset += size
+            for name, view in self._views(self._scratch if scratch else self._buffer).items():
+                binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(view))
             self._bindings[key] = binding
         return self._bindings[key]
 
+    @property
+    def _buffer(self) -> np.ndarray:
+        """Where this step's gradient step writes: the reducer's buffer (shm: a slot per step parity)."""
+        return self._reducer.buffer if self._reducer else self._flat
+
+    def _views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Each gradient output's view of ``flat``."""
+        views, offset = {}, 0
+        for name, shape in self._grad_shapes.items():
+            size = math.prod(shape)
+            views[f"{GRADS}/{name}"], offset = flat[offset:offset + size].reshape(shape), offset + size
+        return views
+
+    def _piece_bindings(self) -> list[tuple[ort.IOBinding, set[str], list[str], set[str]]]:
+        """Per piece of the split gradient step: its binding (weights of the current set, gradients into the
+        flat buffer, values for later pieces allocated by ORT), its inputs, its outputs in order, those values."""
+        key = (self.updater._ring.current, "pieces")
+        if key not in self._bindings:
+            values, views, made = self.updater.current_values(), self._views(self._buffer), []
+            for session, _ in self._pieces:
+                binding, inputs = session.io_binding(), {i.name for i in session.get_inputs()}
+                for name in inputs & set(self._roles.weights):
+                    binding.bind_ortvalue_input(name, values[name])
+                order = [o.name for o in session.get_outputs()]
+                for name in order:
+                    if name in views or name == self._roles.loss:
+                        array = views[name] if name in views else self._loss
+                        binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+                    else:  # NOTE: bound in the session's order once; rebinding a name keeps its place
+                        binding.bind_output(name, "cpu")
+                made.append((binding, inputs, order, set(order) - set(views) - {self._roles.loss}))
+            self._bindings[key] = made
+        return self._bindings[key]
+
+    def _split_step(self, feeds: dict, share: float) -> None:
+        """The pieces of the gradient step in order, each one's gradients scaled by ``share`` and their all-reduce
+        started as it ends (overlapping the next piece), then the loss's."""
+        env, buf = {}, self._buffer
+        for (session, ranges), (binding, inputs, order, passed) in zip(self._pieces, self._piece_bindings()):
+            for name, value in feeds.items():
+                if name in inputs:
+                    binding.bind_cpu_input(name, value)
+            for name in inputs & env.keys():
+                binding.bind_ortvalue_input(name, env[name])
+            for name in passed:  # NOTE: allocated by ORT each run: the last batch of an epoch may be shorter
+                binding.bind_output(name, "cpu")
+            session.run_with_iobinding(binding)
+            if passed:
+                env.update((n, v) for n, v in zip(order, binding.get_outputs()) if n in passed)
+            for a, b in ranges:
+                if share != 1:
+                    np.multiply(buf[a:b], share, out=buf[a:b])
+                self._collective(lambda a=a, b=b: self._reducer.start(a, b), "the gradient all-reduce")
+        buf[self._size] = float(self._loss) * share
+
     def step(self, X, y=None, sample_weight=None) -> float:
-        """One step on the global batch (X, y, sample_weight): this rank's rows, the all-reduce, the update."""
+        """One update on the global batch (X, y, sample_weight): this rank's rows in ``sync_every`` micro-batches,
+        their gradients accumulated, the all-reduce, the update; returns the batch's loss."""
         X = as_array(X, self.x_dtype, "X")
-        n, step = len(X), self.train_step
+        n, roles, size = len(X), self._roles, self._size
         if not self._checked:  # NOTE: once: schemas and the step counter (a resume from another checkpoint)
             shape = lambda a: None if a is None else (np.shape(a)[1:], str(np.asarray(a).dtype))  # noqa: E731
             self._agree("the data schema and step count (X, y, sample_weight, batch rows, steps done)",
                         (shape(X), shape(y), shape(sample_weight), n, self.updater.step_count))
             self._checked = True
         lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
-        if sample_weight is None:
-            sw, weight, total = None, hi - lo, n
-        else:  # NOTE: every rank holds the global batch's weights: its share needs no collective
-            sw = as_array(sample_weight, self.updater.dtype, "sample_weight")
-            weight, total = float(sw[lo:hi].sum(dtype=np.float64)), float(sw.sum(dtype=np.float64))
-            sw = sw[lo:hi]
-        share = weight / total if total else math.nan  # NOTE: 1 on one rank: no pass over the gradients
-        buf = self._buffer
-        if weight > 0:
-            binding = self._binding()
-            target = None if y is None else as_array(y, self._y_dtype, "y")[lo:hi]
-            roles = self._roles
-            feeds = {roles.data[0]: X[lo:hi], roles.target: target,
-                     roles.sample_weight: self._ones(hi - lo) if sw is None else sw}
+        sw = None if sample_weight is None else as_array(sample_weight, self.updater.dtype, "sample_weight")
+        total = n if sw is None else float(sw.sum(dtype=np.float64))  # NOTE: every rank holds the global batch's
+        target = None if y is None else as_array(y, self._y_dtype, "y")  # weights: its share needs no collective
+        buf, first, k = self._buffer, True, self.sync_every
+        for j in range(k):
+            a, b = lo + (hi - lo) * j // k, lo + (hi - lo) * (j + 1) // k
+            weight = b - a if sw is None else float(sw[a:b].sum(dtype=np.float64))
+            if not weight > 0:
+                continue
+            share = weight / total  # NOTE: 1 on one rank and micro-batch: no pass over the gradients
+            feeds = {roles.data[0]: X[a:b], roles.target: None if target is None else target[a:b],
+                     roles.sample_weight: self._ones(b - a) if sw is None else sw[a:b]}
+            feeds = {name: np.ascontiguousarray(value) for name, value in feeds.items() if name is not None}
+            if self._pieces:  # NOTE: sync_every 1: the only micro-batch
+                self._split_step(feeds, share)
+                first = False
+                break
+            binding = self._binding(scratch=not first)
             for name, value in feeds.items():
-                if name is not None:
-                    binding.bind_cpu_input(name, np.ascontiguousarray(value))
+                binding.bind_cpu_input(name, value)
             self.session.run_with_iobinding(binding)
-            if share != 1:
-                np.multiply(buf[:self._size], share, out=buf[:self._size])
-            buf[self._size] = float(self._loss) * share
-        else:
+            if first:
+                if share != 1:
+                    np.multiply(buf[:size], share, out=buf[:size])
+                buf[size] = float(self._loss) * share
+            else:
+                part = self._scratch[:size]
+                np.multiply(part, share, out=part)
+                np.add(buf[:size], part, out=buf[:size])
+                buf[size] += float(self._loss) * share
+            first = False
+        if first:  # NOTE: no rows (or weight) here: this rank adds zeros
             buf[:] = 0
-        if self._dist is not None:
-            self._collective(lambda: self._dist.all_reduce(self._tensor), "the gradient all-reduce")
-        loss = float(buf[self._size])
+        if self._pieces:  # NOTE: every rank issues the same all-reduces: the pieces' slices, then the loss
+            if first:
+                for a, b in (r for _, ranges in self._pieces for r in ranges):
+                    self._collective(lambda a=a, b=b: self._reducer.start(a, b), "the gradient all-reduce")
+            self._collective(lambda: (self._reducer.start(size, size + 1), self._reducer.wait()),
+                             "the gradient all-reduce")
+        elif self._reducer is not None:
+            self._collective(self._reducer.reduce, "the gradient all-reduce")
+        loss = float(self._result[size])
         if not math.isfinite(loss):
             raise ConvergenceError(f"loss became {loss} at step {self.updater.step_count + 1}; the weights are "
                                    f"those that gave the last finite loss (step {self.updater.step_count}), see "
                                    "get_weights()")
-        self.updater.step(buf[:self._size])
+        self.updater.step(self._result[:size])
         return loss
 
     def epoch(self, X, y=None, sample_weight=None, batch_size: int | None = None) -> np.ndarray:

@@ -40,7 +40,7 @@ def grad(model: ModelLike, wrt: Sequence[str], of: str | None = None, *, seed: b
     >>> from onnxopt.examples import linear_regression
     >>> g = grad(linear_regression(3), ["coef"])
     >>> [o.name for o in g.graph.output]
-    ['variable', 'coef_grad']
+    ['Y', 'coef_grad']
     """
     m = load_model(model)
     g = m.graph

@@ -13,7 +13,7 @@ import onnxruntime
 from onnxopt.errors import ModelError, ModelFormatError, ModelVersionError
 from onnxopt.modelcheck import check_model
 
-__all__ = ["ModelLike", "load_model", "require_training_build", "runtime_limits", "DSL_OPSET", "PROTOBUF_LIMIT", "check_protobuf_size"]
+__all__ = ["ModelLike", "load_model", "require_cuda", "require_training_build", "runtime_limits", "DSL_OPSET", "PROTOBUF_LIMIT", "check_protobuf_size"]
 
 ModelLike = Union[onnx.ModelProto, ir.Model, str, os.PathLike]
 
@@ -35,6 +35,15 @@ def runtime_limits() -> tuple[int, int]:
     major, minor = (int(x) for x in onnxruntime.__version__.split(".")[:2])
     newest = max(_LIMITS)
     return _LIMITS.get((major, minor), _LIMITS[newest] if (major, minor) > newest else (10, 21))
+
+
+def require_cuda(what: str) -> None:
+    """Raises ImportError unless onnxruntime has the CUDAExecutionProvider (onnxruntime-gpu): without it ORT would
+    fall back to CPU with a warning and then fail to allocate the step's device buffers."""
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        raise ImportError(f"{what}: 'cuda' needs onnxruntime-gpu's CUDAExecutionProvider; onnxruntime "
+                          f"{onnxruntime.__version__} here has {onnxruntime.get_available_providers()} (pip install "
+                          "onnxruntime-gpu in place of onnxruntime; the training build has no CUDA wheel here)")
 
 
 def require_training_build(what: str) -> None:

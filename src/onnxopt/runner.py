@@ -28,6 +28,7 @@ from onnxopt.checkpoint import restore_arrays, save_arrays
 from onnxopt.data import as_array, check_batch_size, check_class_indices
 from onnxopt.epochs import EpochLoop
 from onnxopt.errors import ConvergenceError, DataError, ModelError, NotDifferentiableError
+from onnxopt.modelio import require_cuda
 from onnxopt.passes.batch import (drop_same_shape_reshapes, hoist, masked_relu_grads, row_sum_updates, shaped_target,
                                   summed_rows)
 from onnxopt.passes.epoch import scannable
@@ -235,6 +236,8 @@ class Runner:
             raise several_inputs(roles.data)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+        if device == "cuda":
+            require_cuda("device")
         self.device = device
         self._device = C.OrtDevice(C.OrtDevice.cuda() if device == "cuda" else C.OrtDevice.cpu(),
                                    C.OrtDevice.default_memory(), 0)

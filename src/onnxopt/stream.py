@@ -2,7 +2,8 @@
 
 Sources (``as_stream``): an iterable of batches ``(X, y)`` or ``(X, y, sample_weight)`` iterated again each
 epoch (a re-iterable object or a zero-argument callable returning an iterator), numpy memmaps, a Parquet file or
-folder, or a ``pyarrow.dataset.Dataset`` with the ``features``/``target`` columns named (pyarrow is an extra).
+folder, or a ``pyarrow.dataset.Dataset`` with the ``features``/``target`` columns named (pyarrow is an extra), or
+a folder of row-major ``X.npy``, ``y.npy`` [``sample_weight.npy``] (``write_npy``), read as memmaps: no decoding.
 Each source reads *chunks* (a user batch, a Parquet row group, ``MEMMAP_ROWS`` rows of a memmap) and ``blocks``
 cuts them into blocks of whole batches of about ``BLOCK_BYTES``, which the Trainer runs as one ``Runner.epoch``.
 - ``shuffle=True``: the chunks' order is permuted each epoch, then the rows within a buffer of
@@ -27,7 +28,7 @@ import numpy as np
 
 from onnxopt.errors import DataError
 
-__all__ = ["as_stream", "blocks", "prefetch", "held_rows", "BLOCK_BYTES", "SHUFFLE_BLOCKS", "PREFETCH", "MEMMAP_ROWS",
+__all__ = ["as_stream", "write_npy", "blocks", "prefetch", "held_rows", "BLOCK_BYTES", "SHUFFLE_BLOCKS", "PREFETCH", "MEMMAP_ROWS",
            "CACHE_BYTES"]
 
 BLOCK_BYTES = 2 << 20  # NOTE: a block of W1's batches (400 B rows, batch 15) holds 64 of them, of W3's (3 kB) 5
@@ -40,6 +41,7 @@ READ_BYTES = 8 * BLOCK_BYTES  # NOTE: rows of a Parquet read (to_batches' batch_
 # NOTE: what a stream may hold anyway; ONNXOPT_STREAM_CACHE_BYTES changes it (0: always stream, for tests)
 CACHE_BYTES = int(os.environ.get("ONNXOPT_STREAM_CACHE_BYTES", (SHUFFLE_BLOCKS + PREFETCH) * BLOCK_BYTES))
 _M64 = (1 << 64) - 1
+NPY = ("X.npy", "y.npy", "sample_weight.npy")  # NOTE: the arrays of a folder ``write_npy`` writes
 
 
 def held_out(k: int, fraction: float) -> bool:
@@ -276,6 +278,9 @@ def as_stream(X, y=None, sample_weight=None, features=None, target=None):
         return X
     if isinstance(X, np.memmap) or isinstance(y, np.memmap):
         return _Memmap(X, y, sample_weight)
+    if isinstance(X, (str, os.PathLike)) and os.path.isfile(os.path.join(X, NPY[0])):
+        found = [os.path.join(X, f) for f in NPY]
+        return _Memmap(*(np.load(f, mmap_mode="r") if os.path.isfile(f) else None for f in found))
     if isinstance(X, (str, os.PathLike)) or type(X).__module__.startswith("pyarrow"):
         try:
             import pyarrow.dataset as ds
@@ -300,6 +305,30 @@ def as_stream(X, y=None, sample_weight=None, features=None, target=None):
             raise DataError("y: an iterable of batches carries its targets, got y or sample_weight as well")
         return _Batches(X)
     return None
+
+
+def write_npy(source, folder: str | os.PathLike) -> int:
+    """Writes the rows of ``source`` (a stream with known rows: a Parquet file or folder) in order, as ``folder``'s
+    ``X.npy``, ``y.npy`` [``sample_weight.npy``]: rows side by side, streamed as memmaps with no decoding (W3's
+    784 float columns: an epoch's reading 16-50 ms instead of 140-240 ms). Returns the rows written."""
+    if getattr(source, "rows", None) is None:
+        raise DataError(f"X: write_npy needs a source of known rows (a Parquet file or folder), got {source!r}")
+    os.makedirs(folder, exist_ok=True)
+    outs, done = None, 0
+    for chunk in source.chunks(None, None, 65536):
+        if outs is None:  # NOTE: written under a temporary name, renamed when whole
+            outs = [None if a is None else np.lib.format.open_memmap(os.path.join(folder, f + ".tmp"), "w+", a.dtype,
+                                                                     (source.rows, *a.shape[1:]))
+                    for a, f in zip(chunk, NPY)]
+        for out, a in zip(outs, chunk):
+            if out is not None:
+                out[done:done + len(a)] = a
+        done += len(chunk[0])
+    for out, f in zip(outs or [], NPY):
+        if out is not None:
+            out.flush()
+            os.replace(os.path.join(folder, f + ".tmp"), os.path.join(folder, f))
+    return done
 
 
 def _cat(parts: list[tuple]) -> tuple:

@@ -55,13 +55,16 @@ class Trainer:
     than ``n_iter_no_change`` epochs, like scikit-learn's MLP. ``tol=None`` runs all ``max_iter`` epochs.
     ``mode`` ("train" or "eval"), ``frozen`` and ``gradient`` go to ``compile_train_step``; in mode "train" the running
     statistics of BatchNormalization are updated and written into ``trained_model_``.
+    ``sync_every`` K > 1 accumulates the gradients of K batches of ``batch_size`` rows before each update (the
+    weights of one process with batch K·``batch_size``, on any number of ranks: ``onnxopt.distributed``);
+    ``compress`` ("bf16" or "fp16") sends the gradients of data-parallel ranks as 16-bit floats (not bit-equal).
     """
 
     def __init__(self, model, loss="auto", update="adam", penalty=None, learning_rate=3e-3, batch_size=32,
                  max_iter=200, shuffle=True, random_state=0, device="cpu", early_stopping=False,
                  validation_fraction=0.1, n_iter_no_change=10, tol=1e-4, verbose=0, weights=None, output=None,
                  loss_output=None, warm_start=False, checkpoint_dir=None, allow_nan=False, mode="train", frozen=None,
-                 scale="auto", gradient=None):
+                 scale="auto", gradient=None, sync_every=1, compress=None):
         self.model, self.loss, self.update, self.penalty = model, loss, update, penalty
         self.learning_rate, self.batch_size, self.max_iter, self.shuffle = learning_rate, batch_size, max_iter, shuffle
         self.random_state, self.device, self.early_stopping = random_state, device, early_stopping
@@ -69,6 +72,7 @@ class Trainer:
         self.verbose, self.weights, self.output, self.loss_output = verbose, weights, output, loss_output
         self.warm_start, self.checkpoint_dir, self.allow_nan = warm_start, checkpoint_dir, allow_nan
         self.mode, self.frozen, self.scale, self.gradient = mode, frozen, scale, gradient
+        self.sync_every, self.compress = sync_every, compress
         if checkpoint_dir is not None:  # NOTE: a file or a read-only folder would fail only after the first epoch
             check_writable(checkpoint_dir, "checkpoint_dir", folder=True, error=CheckpointError)
 
@@ -129,7 +133,8 @@ class Trainer:
         batch = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 32
         batch = min(batch, rows) if rows else batch  # NOTE: fit clips batches to the data: sessions are made for that
         if getattr(self, "_parallel", None) is not None:  # NOTE: under torch.distributed (onnxopt.distributed)
-            return distributed.DataParallelRunner(*self._parallel, device=self.device, batch_size=batch)
+            return distributed.DataParallelRunner(*self._parallel, device=self.device, batch_size=self._rows(batch),
+                                                  sync_every=self.sync_every, compress=self.compress)
         opts = None
         if streamed and self.device == "cpu":  # NOTE: the reader thread needs the cores ORT's threads would spin on
             opts = default_session_options(step_work(self.train_step_), batch, spinning=False)
@@ -160,7 +165,7 @@ class Trainer:
                       weights=self.weights, output=output, loss_output=self.loss_output, mode=self.mode,
                       frozen=self.frozen, gradient=getattr(self, "gradient", None))
         self._parallel = None
-        if distributed.world()[1] > 1:
+        if distributed.world()[1] > 1 or getattr(self, "sync_every", 1) != 1:
             if saved is not None:
                 raise ModelError("model: data-parallel training compiles its gradient and update steps from the "
                                  "ONNX model, got a compiled TrainStep; pass the model")
@@ -348,7 +353,7 @@ class Trainer:
             val = None
             if self.early_stopping and stop:
                 X, y, sw, val = self._split(X, y, sw)
-            batch = check_batch_size(self.batch_size, X.shape[0])
+            batch = self._rows(check_batch_size(self.batch_size, X.shape[0]), X.shape[0])
             n_batches = -(-X.shape[0] // batch)
             train = lambda bar: self._epoch(X, y, sw, batch, bar)  # noqa: E731
             validate = None if val is None else lambda: self._validation_loss(*val)  # noqa: E731
@@ -396,7 +401,7 @@ class Trainer:
         """(train one epoch, validation loss or None, batches per epoch or None) on a stream (``onnxopt.stream``)."""
         if self._kind != "regression" and not hasattr(self, "classes_"):  # NOTE: one pass over the targets
             self._set_classes(np.unique(np.concatenate([np.unique(c[1]) for c in data.chunks(None, None, 65536)])), "y")
-        batch = check_batch_size(self.batch_size, data.rows or self.batch_size)
+        batch = self._rows(check_batch_size(self.batch_size, data.rows or self.batch_size), data.rows)
         if getattr(self, "_columns", None) is not None:  # NOTE: before reading: the columns are known
             check_feature_shape((data.rows or 1, len(self._columns)), self._x_shape, self._columns)
         held = self.early_stopping and stop
@@ -430,6 +435,11 @@ class Trainer:
             return stream.epoch(block, data, batch, None, ("validation", *fraction), self.runner_.x_dtype, prepare)[0]
 
         return train, validate if held else None, -(-data.rows // batch) if data.rows and not data.batched else None
+
+    def _rows(self, batch: int, n: int | None = None) -> int:
+        """The rows of one update: ``sync_every`` batches (at most the ``n`` rows of the data)."""
+        rows = batch * getattr(self, "sync_every", 1) if getattr(self, "_parallel", None) is not None else batch
+        return min(rows, n) if n else rows
 
     def _epoch(self, X, y, sw, batch: int, bar, shuffle: bool | None = None) -> float:
         n, shuffle = X.shape[0], self.shuffle if shuffle is None else shuffle
