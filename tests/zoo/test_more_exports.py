@@ -215,14 +215,21 @@ def _if_model(static: bool):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), numpy_helper.to_array(w)
 
 
-def test_if_of_a_run_time_condition_is_refused_by_name():
-    """An If whose branch reads a value that depends on a weight, on a condition known only at run time:
-    onnxopt has no If rule, so it names the node instead of leaving that path's gradient out (the branch reads
-    the value from the outer scope, not as an input)."""
-    from onnxopt.errors import NotDifferentiableError
-
-    with pytest.raises(NotDifferentiableError, match=r"If \(node 'rank_if'\) whose inputs \['z'\]"):
-        onnxopt.compile_train_step(_if_model(static=False)[0], loss="square", gradient="onnxopt")
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_if_of_a_run_time_condition_trains_the_branch_it_takes(sign):
+    """An If whose branches read a value that depends on a weight, on a condition known only at run time
+    (sum(x) > 0): the If rule (issue 39) differentiates the branch taken; before it, the node was refused by
+    name. The gradient is that of Relu(z) + z (then) or of -z + z = 0 (else), computed by hand."""
+    model, w = _if_model(static=False)
+    rng = np.random.default_rng(2)
+    X = sign * np.abs(rng.normal(size=(8, 4))).astype(np.float32)
+    y = rng.normal(size=(8, 3)).astype(np.float32)
+    loss, grads, _ = first_step(model, "eval", X, y, loss="square", gradient="onnxopt")
+    z = X.astype(np.float64) @ w
+    out = np.maximum(z, 0) + z if sign > 0 else np.zeros_like(z)
+    np.testing.assert_allclose(loss, np.mean((out - y) ** 2), rtol=1e-5)
+    dz = 2 * (out - y) / y.size * (((z > 0) + 1.0) if sign > 0 else 0.0)
+    np.testing.assert_allclose(grads["W"], X.T @ dz, rtol=1e-5, atol=1e-7)
 
 
 def test_if_of_a_rank_condition_is_inlined():
