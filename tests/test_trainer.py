@@ -500,3 +500,15 @@ def test_scale_takes_the_clis_values_and_the_old_ones_warn():
         np.testing.assert_array_equal(est.predict(X), fit[new].predict(X))
     with pytest.raises(ValueError, match=r"scale: expected one of \['auto', 'always', 'never'\], got 'sometimes'"):
         onnxopt.Trainer(mlp([4, 1]), scale="sometimes", max_iter=1).fit(X, y)
+
+
+def test_predictions_of_a_runner_on_another_device_read_host_copies_of_its_weights(rng):
+    """The prediction and validation sessions run on CPU: a CUDA runner's weights are copied to host for them
+    (binding the device's OrtValues failed: "no data transfer registered", found by benchmarks/gpu_check's
+    machine). On CPU the copied path must give the bound path's numbers."""
+    X = rng.normal(size=(64, 4)).astype(np.float32)
+    est = onnxopt.Trainer(mlp([4, 8, 1]), max_iter=2, early_stopping=True, scale="never").fit(X, X.sum(axis=1))
+    bound, score = est.predict(X), est.score(X, X.sum(axis=1))
+    est.runner_.device = "cuda"  # NOTE: only the branch; the values stay on CPU
+    np.testing.assert_array_equal(est.predict(X), bound)
+    assert est.score(X, X.sum(axis=1)) == score

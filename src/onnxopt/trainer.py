@@ -231,8 +231,10 @@ class Trainer:
         binding = session.io_binding()
         current = self.runner_.current_values()
         names = {i.name for i in session.get_inputs()}
+        on_host = self.runner_.device == "cpu"  # NOTE: these sessions run on CPU: CUDA weights are copied to host
         for name in self._bound():
-            binding.bind_ortvalue_input(name, current[name])
+            value = current[name] if on_host else ort.OrtValue.ortvalue_from_numpy(current[name].numpy())
+            binding.bind_ortvalue_input(name, value)
         for name, value in feeds.items():
             if name in names and value is not None:
                 binding.bind_cpu_input(name, value)
