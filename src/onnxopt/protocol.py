@@ -27,7 +27,7 @@ from onnxopt.errors import ModelError
 if TYPE_CHECKING:
     from onnxopt.step import TrainStep
 
-__all__ = ["PROTOCOL_KEY", "VERSION", "STEP", "NEW", "describe", "dumps", "loads", "swap_map", "Roles"]
+__all__ = ["PROTOCOL_KEY", "VERSION", "STEP", "NEW", "describe", "loads", "swap_map", "Roles"]
 
 PROTOCOL_KEY = "onnxopt.protocol"
 VERSION = 1
@@ -63,10 +63,6 @@ def describe(step: TrainStep) -> dict:
             outputs.append({"name": out, "role": "prediction"})
     return {"version": VERSION, "inputs": inputs, "outputs": outputs, "target_kind": step.target_kind,
             "classes": step.classes}
-
-
-def dumps(step: TrainStep) -> str:
-    return json.dumps(describe(step))
 
 
 def loads(text: str) -> dict:

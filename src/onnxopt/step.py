@@ -24,7 +24,7 @@ import onnx_ir as ir
 
 from onnxopt import atomic
 from onnxopt.errors import ModelError
-from onnxopt.protocol import NEW, PROTOCOL_KEY, STEP, loads
+from onnxopt.protocol import NEW, PROTOCOL_KEY, STEP, describe, loads
 
 __all__ = ["TrainStep", "STEP", "NEW", "GRAD"]
 
@@ -82,8 +82,6 @@ class TrainStep:
     @property
     def protocol(self) -> dict:
         """The step's inputs and outputs by role and its swap map, as stored in a saved step (``protocol``)."""
-        from onnxopt.protocol import describe
-
         return describe(self)
 
     def _metadata(self) -> str:
