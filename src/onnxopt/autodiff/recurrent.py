@@ -28,7 +28,6 @@ and GRU/LSTM too for portable steps (``_unroll_recurrent``; GRUGrad and LSTMGrad
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import onnx
@@ -46,7 +45,6 @@ _FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataTy
 _GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 _DEFAULT_ACTS = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
 _ACTIVATIONS = {"Tanh": "Tanh", "Relu": "Relu", "Sigmoid": "Sigmoid"}
-_COUNTER = itertools.count()
 _INT64_MIN = -(2**63)
 
 
@@ -109,7 +107,9 @@ def _loop(c: _Op, states: list, scans: list, build, dtype: ir.DataType) -> list:
     the new states then the per-step outputs (all rank 2, stacked on a new leading axis). Written as a Loop
     whose body gathers each step from the outer values, not a Scan: onnx's reference runs Scan bodies without
     the outer scope (the weights they read) and in forward direction only."""
-    prefix = f"_rnn_bptt{next(_COUNTER)}"
+    # NOTE: named by the node's first output (unique in its graph) and the tape's length, not a process-wide
+    # counter: the same model compiles to the same graph whatever compiled before it
+    prefix = f"_rnn_bptt_{c.node.outputs[0].name}_{len(c.tape.nodes)}"
     b = _Op(c.node)
     it = ir.Value(name=f"{prefix}_t", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
     cond = ir.Value(name=f"{prefix}_cond", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
