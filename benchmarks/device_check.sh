@@ -9,7 +9,8 @@
 # (ii) benchmarks/distributed.py W3 W5: 1 process, 2 independent ones (the capacity), 2 ranks (1 thread each);
 # (iii) benchmarks/streaming.py: a W3 epoch from Parquet and from the .npy folder against in memory;
 # (v) gpu_check.py --placement R1: the nodes the CUDA session leaves to the CPU, with and without cuda_model.
-# Without a usable GPU the GPU parts print why and are skipped; --dry-run runs the rest with small rounds.
+# Without a usable GPU the GPU parts print why and are skipped (--dry-run: the tests skip with their reasons, the
+# placement table runs on the CPU, and the benchmarks run with fewer rounds and 5x timeouts).
 set -u
 PY=${PYTHON:-python3}
 ROUNDS=3 SLOW=1  # NOTE: the dry run's timeouts are 5x: it runs on a small shared machine
@@ -18,7 +19,7 @@ ROUNDS=3 SLOW=1  # NOTE: the dry run's timeouts are 5x: it runs on a small share
 NV=$($PY -c "import glob, os, nvidia; print(':'.join(sorted({os.path.dirname(p) for d in nvidia.__path__
   for p in glob.glob(os.path.join(d, '**', 'lib*.so*'), recursive=True)})))" 2>/dev/null)
 export LD_LIBRARY_PATH=${NV}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-NOGPU=$($PY - <<'EOF' 2>&1 | tail -1
+PROBE=$($PY - <<'EOF' 2>&1
 import numpy as np, onnxruntime as ort
 from onnx import TensorProto as T, helper as h
 if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -27,9 +28,10 @@ else:  # NOTE: the provider may load and still find no device or no cuDNN: one R
     m = h.make_model(h.make_graph([h.make_node("Relu", ["x"], ["y"])], "g", [h.make_tensor_value_info("x", T.FLOAT, [2])],
                                   [h.make_tensor_value_info("y", T.FLOAT, [2])]))
     s = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"])
-    print("" if s.get_providers()[0] == "CUDAExecutionProvider" else f"the session fell back to {s.get_providers()}")
+    print("GPU-OK" if s.get_providers()[0] == "CUDAExecutionProvider" else f"the session fell back to {s.get_providers()}")
 EOF
 )
+NOGPU=$(grep -qx GPU-OK <<<"$PROBE" || tail -1 <<<"$PROBE")
 part() {  # title, seconds, command...: runs it under timeout and prints how it ended
   echo; echo "### $1"; echo; local t0=$SECONDS
   timeout $(($2 * SLOW)) "${@:3}"; local rc=$?
@@ -38,17 +40,15 @@ part() {  # title, seconds, command...: runs it under timeout and prints how it 
 echo "## Device results ($(date -u +%F' '%H:%M) UTC, $(nproc) cores, load $(cut -d' ' -f1 /proc/loadavg))"
 $PY -c "import sys, onnxruntime as o; print('python', sys.version.split()[0], 'onnxruntime', o.__version__, o.get_available_providers())"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
-if [ -z "$NOGPU" ]; then
+[ -n "$NOGPU" ] && echo && echo "### GPU parts: no usable GPU here ($NOGPU)"
+if [ -z "$NOGPU" ] || [ "${1:-}" = --dry-run ]; then  # NOTE: without a GPU the tests skip, each with its reason
   part "(i), (iv) CUDA tests: Runner, Trainer, CLI; 2 DataParallelRunner ranks on one GPU = one process" 75 \
     $PY -m pytest tests/test_cuda.py "tests/test_distributed.py::test_two_ranks_on_cuda_give_one_process_with_the_global_batch" \
     -m "" -q -p no:cacheprovider -n0 -rs
-  part "(v) R1: nodes on the CPU in the CUDA session" 30 $PY benchmarks/gpu_check.py --placement R1 --inside
-else
-  echo; echo "### (i), (iv), (v) skipped: no usable GPU here ($NOGPU)"
-  [ "${1:-}" = --dry-run ] && part "(v) dry run: the placement table on the CPU" 30 \
-    $PY benchmarks/gpu_check.py --placement R1 --dry-run
+  part "(v) R1: nodes on the CPU in the CUDA session (with and without cuda_model)" 30 \
+    $PY benchmarks/gpu_check.py --placement R1 $([ -z "$NOGPU" ] && echo --inside || echo --dry-run)
 fi
 part "(ii) data parallel: 2 ranks against the capacity (2 independent processes), 1 thread each" 120 \
-  $PY benchmarks/distributed.py W3 W5 --rounds 1 --epochs 1 --sync-every 4
+  $PY benchmarks/distributed.py W3 W5 --rounds 1 --epochs 1 --quick
 part "(iii) streaming: a W3 epoch from Parquet and from the .npy folder against in memory" 45 \
   $PY benchmarks/streaming.py W3 W3-npy --rounds $ROUNDS --epochs 1 --rss-rows 0

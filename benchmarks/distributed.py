@@ -10,7 +10,7 @@ accumulation). Reported: samples/s (median over the rounds), 2 ranks / capacity 
 on W5) and / 1 process, the all-reduce's share of a rank's step (waits for the other rank included), and the
 load average at the start and the end (the machine may be shared).
 
-    python benchmarks/distributed.py W3 W5 [--epochs 1] [--rounds 3] [--sync-every 4] [--paper]
+    python benchmarks/distributed.py W3 W5 [--epochs 1] [--rounds 3] [--sync-every 4] [--paper] [--quick]
 
 ``--paper`` prints instead the model on paper (``paper``), calibrated by one process's step on this machine.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -150,6 +151,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sync-every", type=int, default=4)
     parser.add_argument("--paper", action="store_true", help="print the model on paper, calibrated by one process")
+    parser.add_argument("--quick", action="store_true", help="only shm and gloo in 2 pieces (the others: nan)")
     parser.add_argument("--rank", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--single", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
@@ -175,8 +177,10 @@ def main() -> None:
         rows = []
         for _ in range(args.rounds):
             one, cap = single(name, args.epochs), capacity(name, args.epochs)
-            shm, gloo = ranks(name, 2, args.epochs, "shm"), ranks(name, 2, args.epochs, "gloo")
-            split, acc = ranks(name, 2, args.epochs, "gloo", 1, 2), ranks(name, 2, args.epochs, "shm", k)
+            skipped = {"samples_s": math.nan, "allreduce_s": math.nan, "seconds": 1.0, "alone_s": math.nan}
+            shm, split = ranks(name, 2, args.epochs, "shm"), ranks(name, 2, args.epochs, "gloo", 1, 2)
+            gloo = skipped if args.quick else ranks(name, 2, args.epochs, "gloo")
+            acc = skipped if args.quick else ranks(name, 2, args.epochs, "shm", k)
             rows.append((one, cap, shm["samples_s"], gloo["samples_s"], split["samples_s"], acc["samples_s"],
                          shm["allreduce_s"] / shm["seconds"], gloo["allreduce_s"] / gloo["seconds"],
                          1e3 * shm["alone_s"], 1e3 * gloo["alone_s"]))

@@ -197,7 +197,7 @@ def placement(name: str) -> None:
             run.step(X[:wl.batch], y[:wl.batch])
             with open(run.session.end_profiling()) as f:
                 events = [e for e in json.load(f) if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
-        providers = {e["name"]: (e["args"]["provider"], e["args"]["op_name"]) for e in events}
+        providers = {e["name"]: (e["args"].get("provider", "?"), e["args"].get("op_name", "?")) for e in events}
         cpu = collections.Counter(op for provider, op in providers.values() if provider == "CPUExecutionProvider")
         print(f"| {label} | {len(providers)} | {sum(cpu.values())} | "
               f"{', '.join(f'{op} x{k}' for op, k in cpu.most_common()) or 'none'} |", flush=True)
