@@ -52,3 +52,4 @@ part "(ii) data parallel: 2 ranks against the capacity (2 independent processes)
   $PY benchmarks/distributed.py W3 W5 --rounds 1 --epochs 1 --quick
 part "(iii) streaming: a W3 epoch from Parquet and from the .npy folder against in memory" 45 \
   $PY benchmarks/streaming.py W3 W3-npy --rounds $ROUNDS --epochs 1 --rss-rows 0
+echo; echo "(device_check.sh: $SECONDS s in all)"
