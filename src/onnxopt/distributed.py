@@ -387,7 +387,6 @@ class DataParallelRunner:
         else:  # NOTE: ReluGrad as a masked product, as the Runner's CPU model (-5% W3)
             model, providers = ir.from_proto(grad.model), ["CPUExecutionProvider"]
             model = ir.to_proto(model) if masked_relu_grads(model, rows) else grad.model
-        self._providers = providers
         self.session = ort.InferenceSession(_without_values(model, weights), options(rows), providers=providers)
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.x_dtype = _numpy(types[grad.inputs[0]])
