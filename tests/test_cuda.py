@@ -57,7 +57,8 @@ def test_trainer_and_cli_on_cuda(tmp_path):
 
 
 def _strided_conv(pads=(1, 1, 1, 1)) -> onnx.ModelProto:
-    """Conv 1x1, then Conv 3x3, stride 2 on 9x9 images: its input gradient is a ConvTranspose with pads [1, 1, 0, 0]."""
+    """Conv 1x1, then Conv 3x3, stride 2 on 9x9 images: the latter's input gradient is a ConvTranspose with pads
+    [1, 1, 0, 0]."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -67,7 +68,8 @@ def _strided_conv(pads=(1, 1, 1, 1)) -> onnx.ModelProto:
          helper.make_node("Conv", ["g", "W"], ["h"], strides=[2, 2], pads=list(pads)),
          helper.make_node("GlobalAveragePool", ["h"], ["p"]), helper.make_node("Flatten", ["p"], ["Y"])],
         "conv", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 2, 9, 9])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 4])], [numpy_helper.from_array(w0, "W0"), numpy_helper.from_array(w, "W")])
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 4])],
+        [numpy_helper.from_array(w0, "W0"), numpy_helper.from_array(w, "W")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 

@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 import onnx
-import onnxruntime
 import onnx_ir as ir
+import onnxruntime
 import pytest
 
 import onnxopt
