@@ -6,7 +6,8 @@
 #     PYTHONPATH=<wheels site>:$PWD/src bash benchmarks/device_check.sh [--dry-run]
 #
 # (i) tests/test_cuda.py on the GPU; (iv) 2 DataParallelRunner ranks on CUDA against one process (pytest);
-# (ii) benchmarks/distributed.py W3 W5: 1 process, 2 independent ones (the capacity), 2 ranks (1 thread each);
+# (ii) benchmarks/distributed.py W3 W5: 1 process, 2 independent ones (the capacity), 2 ranks (1 thread each),
+# and W3's bound (--bound: CPU time a step of the fused step against a rank's split step);
 # (iii) benchmarks/streaming.py: a W3 epoch from Parquet and from the .npy folder against in memory;
 # (v) gpu_check.py --placement R1: the nodes the CUDA session leaves to the CPU, with and without cuda_model.
 # Without a usable GPU the GPU parts print why and are skipped (--dry-run: the tests skip with their reasons, the
@@ -50,6 +51,8 @@ if [ -z "$NOGPU" ] || [ "${1:-}" = --dry-run ]; then  # NOTE: without a GPU the 
 fi
 part "(ii) data parallel: 2 ranks against the capacity (2 independent processes), 1 thread each" 120 \
   $PY benchmarks/distributed.py W3 W5 --rounds 1 --epochs 1 --quick
+part "(ii') what bounds W3's 2 ranks: CPU time a step, fused against a rank's split step" 30 \
+  $PY benchmarks/distributed.py W3 --bound
 part "(iii) streaming: a W3 epoch from Parquet and from the .npy folder against in memory" 45 \
   $PY benchmarks/streaming.py W3 W3-npy --rounds $ROUNDS --epochs 1 --rss-rows 0
 echo; echo "(device_check.sh: $SECONDS s in all)"
