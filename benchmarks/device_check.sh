@@ -14,7 +14,7 @@
 # placement table runs on the CPU, and the benchmarks run with fewer rounds and 5x timeouts).
 set -u
 PY=${PYTHON:-python3}
-ROUNDS=3 SLOW=1  # NOTE: the dry run's timeouts are 5x: it runs on a small shared machine
+ROUNDS=3 SLOW=1  # NOTE: timeouts sum to 270 s; the dry run's are 5x: it runs on a small shared machine
 [ "${1:-}" = --dry-run ] && ROUNDS=1 SLOW=5
 # NOTE: onnxruntime-gpu loads CUDA and cuDNN from torch's nvidia-* wheels when their folders are on the path
 NV=$($PY -c "import glob, os, nvidia; print(':'.join(sorted({os.path.dirname(p) for d in nvidia.__path__
@@ -43,16 +43,16 @@ $PY -c "import sys, onnxruntime as o; print('python', sys.version.split()[0], 'o
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 [ -n "$NOGPU" ] && echo && echo "### GPU parts: no usable GPU here ($NOGPU)"
 if [ -z "$NOGPU" ] || [ "${1:-}" = --dry-run ]; then  # NOTE: without a GPU the tests skip, each with its reason
-  part "(i), (iv) CUDA tests: Runner, Trainer, CLI; 2 DataParallelRunner ranks on one GPU = one process" 75 \
+  part "(i), (iv) CUDA tests: Runner, Trainer, CLI; 2 DataParallelRunner ranks on one GPU = one process" 70 \
     $PY -m pytest tests/test_cuda.py "tests/test_distributed.py::test_two_ranks_on_cuda_give_one_process_with_the_global_batch" \
     -m "" -q -p no:cacheprovider -n0 -rs
-  part "(v) R1: nodes on the CPU in the CUDA session (with and without cuda_model)" 30 \
+  part "(v) R1: nodes on the CPU in the CUDA session (with and without cuda_model)" 25 \
     $PY benchmarks/gpu_check.py --placement R1 $([ -z "$NOGPU" ] && echo --inside || echo --dry-run)
 fi
-part "(ii) data parallel: 2 ranks against the capacity (2 independent processes), 1 thread each" 120 \
+part "(ii) data parallel: 2 ranks against the capacity (2 independent processes), 1 thread each" 110 \
   $PY benchmarks/distributed.py W3 W5 --rounds 1 --epochs 1 --quick
-part "(ii') what bounds W3's 2 ranks: CPU time a step, fused against a rank's split step" 30 \
+part "(ii') what bounds W3's 2 ranks: CPU time a step, fused against a rank's split step" 25 \
   $PY benchmarks/distributed.py W3 --bound
-part "(iii) streaming: a W3 epoch from Parquet and from the .npy folder against in memory" 45 \
+part "(iii) streaming: a W3 epoch from Parquet and from the .npy folder against in memory" 40 \
   $PY benchmarks/streaming.py W3 W3-npy --rounds $ROUNDS --epochs 1 --rss-rows 0
 echo; echo "(device_check.sh: $SECONDS s in all)"
