@@ -43,13 +43,13 @@ $PY -c "import sys, onnxruntime as o; print('python', sys.version.split()[0], 'o
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 [ -n "$NOGPU" ] && echo && echo "### GPU parts: no usable GPU here ($NOGPU)"
 if [ -z "$NOGPU" ] || [ "${1:-}" = --dry-run ]; then  # NOTE: without a GPU the tests skip, each with its reason
-  part "(i), (iv) CUDA tests: Runner, Trainer, CLI; 2 DataParallelRunner ranks on one GPU = one process" 70 \
+  part "(i), (iv) CUDA tests: Runner, Trainer, CLI; 2 DataParallelRunner ranks on one GPU = one process" 85 \
     $PY -m pytest tests/test_cuda.py "tests/test_distributed.py::test_two_ranks_on_cuda_give_one_process_with_the_global_batch" \
     -m "" -q -p no:cacheprovider -n0 -rs
   part "(v) R1: nodes on the CPU in the CUDA session (with and without cuda_model)" 25 \
     $PY benchmarks/gpu_check.py --placement R1 $([ -z "$NOGPU" ] && echo --inside || echo --dry-run)
 fi
-part "(ii) data parallel: 2 ranks against the capacity (2 independent processes), 1 thread each" 110 \
+part "(ii) data parallel: 2 ranks against the capacity (2 independent processes), 1 thread each" 95 \
   $PY benchmarks/distributed.py W3 W5 --rounds 1 --epochs 1 --quick
 part "(ii') what bounds W3's 2 ranks: CPU time a step, fused against a rank's split step" 25 \
   $PY benchmarks/distributed.py W3 --bound
