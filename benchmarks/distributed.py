@@ -10,7 +10,8 @@ accumulation). Reported: samples/s (median over the rounds), 2 ranks / capacity 
 on W5) and / 1 process, the all-reduce's share of a rank's step (waits for the other rank included), and the
 load average at the start and the end (the machine may be shared).
 
-    python benchmarks/distributed.py W3 W5 [--epochs 1] [--rounds 3] [--sync-every 4] [--paper]
+    python benchmarks/distributed.py W3 W5 [--epochs 1] [--rounds 3] [--sync-every 4] [--paper] [--quick]
+    python benchmarks/distributed.py W3 W5 --bound   (what bounds 2 ranks: CPU time a step, ``bound``)
 
 ``--paper`` prints instead the model on paper (``paper``), calibrated by one process's step on this machine.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -117,6 +119,46 @@ def capacity(name: str, epochs: int) -> float:
     return sum(float(o) for o in out)
 
 
+def bound(name: str) -> None:
+    """CPU time a step (``time.process_time``, 1 thread, best of 3 runs of 30 steps: load matters less than to wall
+    time) of the fused step on the batch and on half of it, and of a rank's split step on half of it (its gradient
+    step alone, then its update alone): 2 ranks reach at most fused(B) / (2 · split(B/2)) of the capacity, the
+    all-reduce costing nothing."""
+    wl = WORKLOADS[name]
+    X, y = wl.data()
+    kw = dict(loss=wl.loss, update=_onnxopt_update(wl.update), learning_rate=wl.lr)
+    fused, steps = onnxopt.compile_train_step(wl.model(), **kw), distributed.split_step(wl.model(), **kw)
+
+    def cpu(run, rows: int) -> float:
+        batches = [(X[i:i + rows], y[i:i + rows]) for i in range(0, min(len(X), 30 * rows), rows)]
+        run(*batches[0])
+        times = []
+        for _ in range(3):
+            t0 = time.process_time()
+            for xb, yb in batches:
+                run(xb, yb)
+            times.append((time.process_time() - t0) / len(batches))
+        return 1e3 * min(times)
+
+    half = wl.batch // 2
+    ms = {f"fused, {rows} rows": cpu(onnxopt.Runner(fused, batch_size=rows, session_options=_options()).step, rows)
+          for rows in (wl.batch, half)}
+    rank = distributed.DataParallelRunner(*steps, batch_size=half, session_options=_options())
+    ms[f"rank's split step, {half} rows"] = cpu(rank.step, half)
+    binding = rank._binding(False)
+    for key, value in ((rank.roles.data[0], X[:half]), (rank.roles.target, y[:half]),
+                       (rank.roles.sample_weight, np.ones(half, rank.dtype))):
+        binding.bind_cpu_input(key, np.ascontiguousarray(value))
+    ms["of which the gradient step alone"] = cpu(lambda *_: rank.session.run_with_iobinding(binding), half)
+    flat = rank._result[:rank._size].copy()
+    ms["of which the update step alone"] = cpu(lambda *_: rank.updater.step(flat), half)
+    print(f"\n| {name}: CPU ms a step, 1 thread (load {os.getloadavg()[0]:.1f}) | ms |\n| --- | --- |")
+    for key, value in ms.items():
+        print(f"| {key} | {value:.2f} |")
+    ratio = ms[f"fused, {wl.batch} rows"] / 2 / ms[f"rank's split step, {half} rows"]
+    print(f"| bound on 2 ranks / capacity (free all-reduce) | {ratio:.2f} |")
+
+
 LINKS = {"10 Gb/s": (10e9 / 8, 50e-6), "100 Gb/s": (100e9 / 8, 10e-6)}  # NOTE: (bytes/s, latency of a message)
 
 
@@ -150,6 +192,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sync-every", type=int, default=4)
     parser.add_argument("--paper", action="store_true", help="print the model on paper, calibrated by one process")
+    parser.add_argument("--bound", action="store_true", help="print instead what bounds 2 ranks (CPU time a step)")
+    parser.add_argument("--quick", action="store_true", help="only shm and gloo in 2 pieces (the others: nan)")
     parser.add_argument("--rank", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--single", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
@@ -160,6 +204,10 @@ def main() -> None:
     if args.single:
         return print(single(args.single, args.epochs))
     k = args.sync_every
+    if args.bound:
+        for name in args.workloads:
+            bound(name)
+        return None
     if args.paper:
         for name in args.workloads:
             paper(name, WORKLOADS[name].batch / single(name, args.epochs), k)
@@ -175,8 +223,10 @@ def main() -> None:
         rows = []
         for _ in range(args.rounds):
             one, cap = single(name, args.epochs), capacity(name, args.epochs)
-            shm, gloo = ranks(name, 2, args.epochs, "shm"), ranks(name, 2, args.epochs, "gloo")
-            split, acc = ranks(name, 2, args.epochs, "gloo", 1, 2), ranks(name, 2, args.epochs, "shm", k)
+            skipped = {"samples_s": math.nan, "allreduce_s": math.nan, "seconds": 1.0, "alone_s": math.nan}
+            shm, split = ranks(name, 2, args.epochs, "shm"), ranks(name, 2, args.epochs, "gloo", 1, 2)
+            gloo = skipped if args.quick else ranks(name, 2, args.epochs, "gloo")
+            acc = skipped if args.quick else ranks(name, 2, args.epochs, "shm", k)
             rows.append((one, cap, shm["samples_s"], gloo["samples_s"], split["samples_s"], acc["samples_s"],
                          shm["allreduce_s"] / shm["seconds"], gloo["allreduce_s"] / gloo["seconds"],
                          1e3 * shm["alone_s"], 1e3 * gloo["alone_s"]))

@@ -19,6 +19,7 @@ It prints markdown tables for docs/benchmarks.md and exits 1 when a loss disagre
 on the CPU in this environment (the "GPU" side too), to check the script itself where no GPU is at hand.
 
     python benchmarks/gpu_check.py [--steps 5] [--rounds 3] [--rtol 1e-2] [--wheels DIR] [--dry-run]
+    python benchmarks/gpu_check.py --placement R1 [--dry-run]   (only the nodes left to the CPU: ``placement``)
 """
 
 from __future__ import annotations
@@ -166,6 +167,42 @@ def speed(names: list[str], rounds: int) -> None:
         print(f"| {name} | {a:.0f} | {b:.0f} | {a / b:.2f} | rounds {rounds} |", flush=True)
 
 
+def placement(name: str) -> None:
+    """The nodes of ``name``'s step that the CUDA session runs on the CPU, from onnxruntime's profile of one step
+    (each node event names its provider): with the Runner's CUDA specialization (``runner.cuda_model``) and
+    without it (the step as compiled). Under --dry-run both run on the CPU: the profile's parsing is checked."""
+    import collections
+    import json
+    import tempfile
+
+    import onnxopt
+    from onnxopt import runner as runner_module
+    from onnxopt.bench.competitors import _onnxopt_update
+    from onnxopt.bench.workloads import WORKLOADS
+
+    wl = WORKLOADS[name]
+    X, y = wl.data()
+    step = onnxopt.compile_train_step(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update), learning_rate=wl.lr)
+    print(f"\n| {name} step on {DEVICE} | nodes | on the CPU | CPU nodes by type (op x count) |\n| --- | --- | --- | --- |")
+    specialize = runner_module.cuda_model
+    for label, rewrite in (("as compiled", lambda m: m), ("with cuda_model", specialize)):
+        runner_module.cuda_model = rewrite
+        with tempfile.TemporaryDirectory() as folder:
+            opts = runner_module.default_session_options(0)
+            opts.enable_profiling, opts.profile_file_prefix = True, os.path.join(folder, "p")
+            try:
+                run = onnxopt.Runner(step, device=DEVICE, batch_size=wl.batch, session_options=opts)
+            finally:
+                runner_module.cuda_model = specialize
+            run.step(X[:wl.batch], y[:wl.batch])
+            with open(run.session.end_profiling()) as f:
+                events = [e for e in json.load(f) if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+        providers = {e["name"]: (e["args"].get("provider", "?"), e["args"].get("op_name", "?")) for e in events}
+        cpu = collections.Counter(op for provider, op in providers.values() if provider == "CPUExecutionProvider")
+        print(f"| {label} | {len(providers)} | {sum(cpu.values())} | "
+              f"{', '.join(f'{op} x{k}' for op, k in cpu.most_common()) or 'none'} |", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
@@ -174,6 +211,7 @@ def main() -> int:
     parser.add_argument("--site", default="/tmp/onnxopt-gpu-site")
     parser.add_argument("--wheels", default=None, help="a folder of wheels to install from instead of PyPI")
     parser.add_argument("--dry-run", action="store_true", help="every part on the CPU here: checks the script")
+    parser.add_argument("--placement", default=None, help="only list where a workload's nodes run (e.g. R1)")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     global DEVICE
@@ -189,6 +227,8 @@ def main() -> int:
     import onnxruntime as ort
 
     print(f"python {sys.version.split()[0]}, onnxruntime {ort.__version__}, load {os.getloadavg()[0]:.2f}")
+    if args.placement:
+        return placement(args.placement) or 0
     ok = correctness(["W1-sgd", "W2", "W3", "W4", "W5", "R1", "T1"], args.steps, args.rtol)
     speed(["R1", "T1", "W3"], args.rounds)
     return 0 if ok else 1

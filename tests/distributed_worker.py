@@ -48,7 +48,7 @@ if "runs" in cfg:
                                        learning_rate=cfg["lr"])
         dp = distributed.DataParallelRunner(*steps, batch_size=run["batch"], sync_every=run.get("sync_every", 1),
                                             transport=run.get("transport", "auto"), buckets=run.get("buckets", 1),
-                                            compress=run.get("compress"))
+                                            compress=run.get("compress"), device=run.get("device", "cpu"))
         losses = np.concatenate([dp.epoch(X, y, sw if run.get("weighted") else None, batch_size=run["batch"])
                                  for _ in range(2)])
         if rank == 0:

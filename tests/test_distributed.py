@@ -10,6 +10,7 @@ import time
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime
 import pytest
 
 import onnxopt
@@ -225,11 +226,45 @@ def test_trainer_sync_every_trains_like_k_times_the_batch():
 
 
 @pytest.mark.parametrize("name,value", [("sync_every", 0), ("compress", "int8"), ("transport", "nccl"),
-                                        ("buckets", 0)])
+                                        ("buckets", 0), ("device", "tpu")])
 def test_data_parallel_options_are_checked(name, value):
     steps = distributed.split_step(mlp([3, 4, 1]), loss="square", update="sgd")
     with pytest.raises(onnxopt.errors.DataError, match=f"{name}: expected .*got {value!r}"):
         distributed.DataParallelRunner(*steps, **{name: value})
+
+
+CUDA = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
+@pytest.mark.skipif(CUDA, reason="the CUDA provider is installed")
+def test_data_parallel_on_cuda_without_the_provider_is_one_clear_error():
+    steps = distributed.split_step(mlp([3, 4, 1]), loss="square", update="sgd")
+    with pytest.raises(ImportError, match="device: 'cuda' needs onnxruntime-gpu's CUDAExecutionProvider"):
+        distributed.DataParallelRunner(*steps, device="cuda")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs onnxruntime-gpu's CUDAExecutionProvider and a GPU")
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_two_ranks_on_cuda_give_one_process_with_the_global_batch(transport, tmp_path):
+    """2 ranks, each with its steps on the one GPU, gradients staged through host memory and all-reduced by shm or
+    gloo (buckets: the split step's pieces pass values on the device): float64, Adam, the weights of one CPU
+    process with batch 24 to float64 rounding (the GPU's sums run in another order)."""
+    pytest.importorskip("torch.distributed")
+    rng = np.random.default_rng(6)
+    X, sw = rng.normal(size=(97, 5)), rng.uniform(0.2, 2, 97)
+    y = np.tanh(X @ rng.normal(size=5))
+    np.savez(tmp_path / "d.npz", X=X, y=y, sw=sw)
+    onnx.save(mlp([5, 16, 16, 1], dtype=np.float64), tmp_path / "m.onnx")
+    runs = {"cuda": dict(batch=24, transport=transport, device="cuda", weighted=True,
+                         buckets=2 if transport == "gloo" else 1)}
+    _launch(dict(data=str(tmp_path / "d.npz"), model=str(tmp_path / "m.onnx"), update="adam", lr=0.01,
+                 out=str(tmp_path), runs=runs))
+    got = dict(np.load(tmp_path / "cuda.npz"))
+    assert str(got.pop("transport")) == transport and int(got.pop("pieces")) == (2 if transport == "gloo" else 0)
+    want, losses = _reference(mlp([5, 16, 16, 1], dtype=np.float64), "adam", 0.01, X, y, sw, 24)
+    np.testing.assert_allclose(got.pop("losses"), losses, rtol=1e-9)
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-8, atol=1e-11, err_msg=k)
 
 
 RUNS = {  # NOTE: one launch of 2 ranks runs them all; batch = rows per update; buckets > 1: a split step

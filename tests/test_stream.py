@@ -84,13 +84,19 @@ def test_stream_sources_train_like_arrays(kind, data, tmp_path):
     _same(_fit(X, y), got)
 
 
-def test_streamed_fit_sessions_do_not_spin(data):
-    """A streamed fit's reader thread needs the cores: onnxruntime's threads sleep between ops instead of
-    spinning (they keep their default, spinning, for arrays)."""
+@pytest.mark.parametrize("cpus", [2, 16])
+def test_streamed_fit_sessions_spin_where_the_reader_has_a_cpu(data, cpus, monkeypatch):
+    """On fewer than 4 CPUs a streamed fit's reader thread needs the cores: onnxruntime's threads sleep between ops
+    instead of spinning. On more, and for arrays, they keep their default, spinning."""
     X, y, _ = data
     key = "session.intra_op.allow_spinning"
+    monkeypatch.setattr(onnxopt.trainer.os, "cpu_count", lambda: cpus)
     got = _fit(lambda: ((X[i:i + 32], y[i:i + 32]) for i in range(0, N, 32)))
-    assert got.runner_._opts.get_session_config_entry(key) == "0"
+    if cpus < 4:
+        assert got.runner_._opts.get_session_config_entry(key) == "0"
+    else:
+        with pytest.raises(Exception, match=key):
+            got.runner_._opts.get_session_config_entry(key)
     with pytest.raises(Exception, match=key):
         _fit(X, y).runner_._opts.get_session_config_entry(key)
 

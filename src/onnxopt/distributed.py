@@ -13,6 +13,11 @@ torch.distributed, started bucket by bucket as the ``pieces`` of a split step en
 update: N ranks with a global batch B give the weights of one process with batch B, to float rounding;
 ``sync_every`` K accumulates K micro-batches first (one process with batch K·B). torch is imported only when a
 launcher set ``WORLD_SIZE`` or torch is already loaded.
+
+On CUDA (``device="cuda"``) each rank's steps run on GPU 0 (weights, state and the update on the device), and
+the gradient step writes its gradients into the same host buffer, which shm or gloo all-reduce and the update
+reads back: host staging, one copy each way per step. NCCL is not used: it needs one GPU per rank (two ranks on
+one GPU, as on a machine lent with one, are refused) and a CUDA build of torch in every rank.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from onnxopt.errors import ConvergenceError, DataError, ModelError, OnnxoptError
 from onnxopt.fuse import compile_train_step
 from onnxopt.protocol import Roles
 from onnxopt.passes.batch import masked_relu_grads
-from onnxopt.runner import Runner, _without_values, default_session_options
+from onnxopt.runner import Runner, _without_values, cuda_model, default_session_options
 from onnxopt.step import NEW, TrainStep
 
 __all__ = ["DataParallelRunner", "DistributedError", "split_step", "world", "TIMEOUT"]
@@ -344,17 +349,16 @@ class DataParallelRunner:
     ``transport``: "shm" (ranks on one host: a shared-memory all-reduce), "gloo" (torch.distributed; with
     ``buckets`` > 1 the gradient step split into that many pieces (``pieces``), each bucket's all-reduce started as
     its piece ends; ``compress``="bf16" or "fp16" halves the bytes sent: not bit-equal) or "auto" (shm where every
-    rank maps it and nothing is compressed, else gloo). Weights, state, ``export`` and the
+    rank maps it and nothing is compressed, else gloo). ``device``: "cpu" or "cuda" (gradients staged through host
+    memory: the module's docstring). Weights, state, ``export`` and the
     rest of the ``Runner`` API come from the update step's Runner (``updater``); rank 0 alone writes checkpoints.
     """
 
     def __init__(self, grad: TrainStep, update: TrainStep, device: str = "cpu", batch_size: int = 32,
                  session_options: ort.SessionOptions | None = None, sync_every: int = 1, compress: str | None = None,
                  transport: str = "auto", buckets: int = 1):
-        if device != "cpu":
-            raise DataError(f"device: data-parallel training runs on 'cpu' (gloo) so far, got {device!r}; "
-                            "docs/tutorials/distributed.md describes the CUDA (NCCL) design")
         for name, value, ok, expected in (
+                ("device", device, device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
                 ("sync_every", sync_every, type(sync_every) is int and sync_every >= 1, "an integer >= 1"),
                 ("buckets", buckets, type(buckets) is int and buckets >= 1, "an integer >= 1"),
                 ("compress", compress, compress in (None, *COMPRESS), f"None or one of {sorted(COMPRESS)}"),
@@ -376,12 +380,14 @@ class DataParallelRunner:
                 opts.intra_op_num_threads = cores
             return opts
 
-        self.updater = Runner(update, device, session_options=options(1), batch_size=1)
+        self.updater = Runner(update, device, session_options=options(1), batch_size=1)  # NOTE: checks CUDA
         rows = max(1, batch_size // (self.world * sync_every))
-        model = ir.from_proto(grad.model)  # NOTE: ReluGrad as a masked product, as the Runner's CPU model (-5% W3)
-        model = ir.to_proto(model) if masked_relu_grads(model, rows) else grad.model
-        self.session = ort.InferenceSession(_without_values(model, weights), options(rows),
-                                            providers=["CPUExecutionProvider"])
+        if device == "cuda":  # NOTE: gradients staged through host memory (module docstring): no NCCL
+            model, providers = cuda_model(grad.model), ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        else:  # NOTE: ReluGrad as a masked product, as the Runner's CPU model (-5% W3)
+            model, providers = ir.from_proto(grad.model), ["CPUExecutionProvider"]
+            model = ir.to_proto(model) if masked_relu_grads(model, rows) else grad.model
+        self.session = ort.InferenceSession(_without_values(model, weights), options(rows), providers=providers)
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.x_dtype = _numpy(types[grad.inputs[0]])
         self._y_dtype = _numpy(types[grad.target]) if grad.target else None
@@ -410,8 +416,7 @@ class DataParallelRunner:
                         merged[-1][1] = b
                     else:
                         merged.append([a, b])
-                session = ort.InferenceSession(_without_values(piece, weights), options(rows),
-                                               providers=["CPUExecutionProvider"])
+                session = ort.InferenceSession(_without_values(piece, weights), options(rows), providers=providers)
                 self._pieces.append((session, [tuple(r) for r in merged]))
         # NOTE: [Σ s·g, Σ s·loss]: the gradient step writes it, the all-reduce sums it into ``_result``
         self._flat = None if self._reducer else np.zeros(self._size + 1, self.updater.dtype)
@@ -503,7 +508,7 @@ class DataParallelRunner:
                         array = views[name] if name in views else self._loss
                         binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
                     else:  # NOTE: bound in the session's order once; rebinding a name keeps its place
-                        binding.bind_output(name, "cpu")
+                        binding.bind_output(name, self.device)
                 made.append((binding, inputs, order, set(order) - set(views) - {self._roles.loss}))
             self._bindings[key] = made
         return self._bindings[key]
@@ -519,7 +524,7 @@ class DataParallelRunner:
             for name in inputs & env.keys():
                 binding.bind_ortvalue_input(name, env[name])
             for name in passed:  # NOTE: allocated by ORT each run: the last batch of an epoch may be shorter
-                binding.bind_output(name, "cpu")
+                binding.bind_output(name, self.device)
             session.run_with_iobinding(binding)
             if passed:
                 env.update((n, v) for n, v in zip(order, binding.get_outputs()) if n in passed)

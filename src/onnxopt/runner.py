@@ -39,7 +39,7 @@ from onnxopt.sessions import KEEP_DROPOUT, StepSessions, _without_values  # noqa
 from onnxopt.step import TrainStep
 from onnxopt.stream import as_stream, blocks, prefetch
 
-__all__ = ["Runner", "default_session_options", "step_work", "cpu_model"]
+__all__ = ["Runner", "default_session_options", "step_work", "cpu_model", "cuda_model"]
 
 logger = logging.getLogger(__name__)
 _HISTORY = 1024  # NOTE: deferred losses kept on the device before an automatic sync
@@ -171,6 +171,42 @@ def cpu_model(step: TrainStep, batch_size: int = 32, threads: int = 1) -> CpuMod
                     target_shape, tuple(rows))
 
 
+def cuda_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` for the CUDA provider, which leaves a ConvTranspose with uneven pads to the CPU (cuDNN pads both
+    sides alike): the input gradient of a strided Conv (``lower._conv_transpose_to``: pads [1, 1, 0, 0] in R1)
+    becomes one with each axis's smaller pad on both sides, then a Slice crops the rest. The same values: pads
+    only crop the full output. The CPU runs the model as it is (one pass fewer)."""
+    m, changed = ir.from_proto(model), False
+    for node in list(m.graph):
+        pads = node.attributes.get("pads")
+        if (node.op_type != "ConvTranspose" or node.domain not in ("", "ai.onnx") or pads is None
+                or "output_shape" in node.attributes or node.attributes.get_string("auto_pad", "NOTSET") != "NOTSET"):
+            continue
+        pads = list(pads.as_ints())
+        r = len(pads) // 2
+        even = [min(b, e) for b, e in zip(pads[:r], pads[r:])]
+        if pads[:r] == pads[r:]:
+            continue
+        full, changed = node.outputs[0], True
+        node.attributes["pads"] = ir.AttrInt64s("pads", even * 2)
+        cuts = [[b - k for b, k in zip(pads[:r], even)], [k - e if e > k else 2**62 for e, k in zip(pads[r:], even)],
+                list(range(2, r + 2))]  # NOTE: starts, ends (negative: from the end), axes
+        consts = [ir.node("Constant", [], {"value": ir.tensor(np.array(v, np.int64))}, num_outputs=1) for v in cuts]
+        crop = ir.node("Slice", [full, *(c.outputs[0] for c in consts)], num_outputs=1)
+        for c, what in zip(consts, ("starts", "ends", "axes")):
+            c.outputs[0].name = f"{full.name}.{what}"
+        cropped = crop.outputs[0]
+        cropped.name, cropped.type, cropped.shape = full.name, full.type, full.shape
+        full.name, full.type, full.shape = f"{cropped.name}.uncropped", None, None
+        for user, index in list(full.uses()):
+            if user is not crop:
+                user.replace_input_with(index, cropped)
+        if full.is_graph_output():
+            m.graph.outputs[m.graph.outputs.index(full)] = cropped
+        m.graph.insert_after(node, [*consts, crop])
+    return ir.to_proto(m) if changed else model
+
+
 _NO_KERNEL = re.compile(r"Could not find an implementation for (\w+)\(\d+\) node with name '(([^']*?)_Grad/[^']*)'")
 
 
@@ -251,7 +287,7 @@ class Runner:
         # NOTE: packs are host buffers whose members are bound as numpy views, hoisted values host arrays (CPU only)
         threads = opts.intra_op_num_threads or os.cpu_count() or 1  # NOTE: 0 is ORT's default: one per core
         cpu = cpu_model(self.train_step, batch_size, threads) if device == "cpu" else None
-        model, packs = (cpu.model, cpu.packs) if cpu else (self.train_step.model, {})
+        model, packs = (cpu.model, cpu.packs) if cpu else (cuda_model(self.train_step.model), {})
         self._side, self._weighted = None, cpu.weighted if cpu else None
         self._hoisted, self._w_kept, self._y_shape = \
             (cpu.hoisted, cpu.weight_kept, cpu.target_shape) if cpu else ([], True, None)
