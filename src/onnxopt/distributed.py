@@ -28,6 +28,7 @@ import hashlib
 import math
 import os
 import sys
+import time
 
 import numpy as np
 import onnx
@@ -288,10 +289,13 @@ class _Shared:
     writes into its slot, and after one barrier every rank sums all slots, in rank order, into its own result,
     which its update reads: no socket, no copy, the same bits on every rank. Slots alternate between two sets
     by step: a rank is at most one step ahead of the others (the barrier), so it never writes a set that
-    another still reads. ``open`` returns None unless every rank could map the file."""
+    another still reads. The barrier is in the file too: each rank writes the count of steps it has written
+    into its word of the header and waits until every word reaches it (a spin, then yields: no socket round
+    trip, which took most of a W3 step); a rank that does not arrive within ``TIMEOUT`` seconds raises.
+    ``open`` returns None unless every rank could map the file."""
 
-    def __init__(self, dist, slots: np.ndarray, rank: int, world: int):
-        self._dist, self._slots, self._rank, self._step = dist, slots, rank, 0
+    def __init__(self, dist, slots: np.ndarray, arrived: np.ndarray, rank: int, world: int):
+        self._dist, self._slots, self._arrived, self._rank, self._step = dist, slots, arrived, rank, 0
         self.result = np.zeros(slots.shape[2], slots.dtype)
 
     @property
@@ -305,7 +309,8 @@ class _Shared:
         import secrets
         import tempfile
 
-        shape, head = (2, world, size + 1), 64  # NOTE: the header holds a token: the file is this group's
+        # NOTE: the header holds a token (the file is this group's), then one int64 arrival count per rank
+        shape, head = (2, world, size + 1), 64 * (1 + (8 * world + 63) // 64)
         nbytes = head + math.prod(shape) * np.dtype(dtype).itemsize
         info = [None]
         if rank == 0:
@@ -318,22 +323,38 @@ class _Shared:
             info = [(path, token)]
         dist.broadcast_object_list(info, src=0)
         path, token = info[0]
-        slots = None
+        slots = arrived = None
         try:
             with open(path, "r+b") as f:
                 mapped = mmap.mmap(f.fileno(), nbytes)
             if mapped[:len(token)] == token:
                 slots = np.frombuffer(mapped, dtype, math.prod(shape), head).reshape(shape)
+                arrived = np.frombuffer(mapped, np.int64, world, 64)
         except (OSError, ValueError):
             pass
         found = [None] * world
         dist.all_gather_object(found, slots is not None)
         if rank == 0:  # NOTE: unlinked once mapped: the memory goes with the last rank, even one killed
             os.unlink(path)
-        return cls(dist, slots, rank, world) if all(found) else None
+        return cls(dist, slots, arrived, rank, world) if all(found) else None
+
+    def _barrier(self) -> None:
+        """Returns once every rank has written its slot of this step (the header's arrival counts)."""
+        count = self._step + 1
+        self._arrived[self._rank] = count
+        spins, deadline = 0, None
+        while self._arrived.min() < count:
+            spins += 1
+            if spins > 1000:  # NOTE: ~1 ms of spinning, then yield the core (ranks may share cores)
+                if deadline is None:
+                    deadline = time.monotonic() + TIMEOUT
+                elif time.monotonic() > deadline:
+                    late = [r for r, c in enumerate(self._arrived) if c < count]
+                    raise RuntimeError(f"shared-memory barrier: rank(s) {late} did not reach step {count}")
+                time.sleep(0 if spins < 20000 else 1e-4)
 
     def reduce(self) -> None:
-        self._dist.barrier()  # NOTE: every slot of this step written
+        self._barrier()  # NOTE: every slot of this step written
         slots = self._slots[self._step % 2]
         np.add(slots[0], slots[1], out=self.result)
         for slot in slots[2:]:
