@@ -9,15 +9,30 @@ same list runs whole (``compile_train_step``), as a prefix (``until=``) or expla
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import onnx_ir as ir
 
 from onnxopt.errors import OnnxoptError
 
-__all__ = ["Stage", "CompileState", "StageError", "StageReport", "run_stages", "format_report"]
+__all__ = ["Stage", "CompileState", "StageError", "StageReport", "run_stages", "format_report", "recorded"]
+
+_RECORDERS: list[list[str]] = []
+
+
+@contextlib.contextmanager
+def recorded() -> Iterator[list[str]]:
+    """The names of the stages every ``run_stages`` runs inside the ``with`` block, in order: which part of the
+    list a client (``grad``, partial training, a facade) runs."""
+    names: list[str] = []
+    _RECORDERS.append(names)
+    try:
+        yield names
+    finally:
+        _RECORDERS.remove(names)
 
 
 class StageError(OnnxoptError, RuntimeError):
@@ -106,6 +121,8 @@ def run_stages(stages: Sequence[Stage], state: CompileState, until: str | None =
         start = time.perf_counter()
         stage.fn(state)
         seconds = time.perf_counter() - start
+        for names in _RECORDERS:
+            names.append(stage.name)
         unmade = [n for n in stage.leaves if n not in state]
         if unmade:
             raise StageError(f"stage {stage.name!r} did not leave {unmade}")
