@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -40,7 +40,7 @@ from onnxopt.passes.update import is_elementwise, multi_tensor, name_packs
 from onnxopt.passes.unread import RemoveUnreadInitializersPass
 from onnxopt.rules import widen_float_constants
 from onnxopt.resolve import resolve_loss, resolve_penalty, resolve_schedule, resolve_update
-from onnxopt.stages import CompileState, Stage, StageError, StageReport, run_stages
+from onnxopt.stages import CompileState, Stage, StageReport, run_stages
 from onnxopt.step import GRAD, NEW, STEP, TrainStep
 from onnxopt.tasks import choose_loss
 
@@ -555,23 +555,18 @@ def explain_train_step(model: ModelLike, **kwargs) -> tuple[TrainStep, list[Stag
     return run_stages(STAGES, _bound(model, kwargs), report=report).step, report
 
 
-def run_part(model: ModelLike | CompileState, names: Sequence[str], **options) -> CompileState:
+def run_part(model: ModelLike | CompileState, names: Collection[str], **options) -> CompileState:
     """Runs the stages ``names`` of ``STAGES``, in the list's order: the part of the compiler that ``grad``, partial
     training and the facades run instead of their own copies (docs/fused_step.md).
 
     ``model`` is a model, then the state holds ``compile_train_step``'s options (its defaults for those not given)
     plus the other ``options`` (what a client passes for a stage it does not run); or the state an earlier part
     left, ``options`` added."""
-    picked = [s for s in STAGES if s.name in names]
-    if len(picked) != len(set(names)):
-        raise StageError(f"names: {sorted(set(names) - {s.name for s in picked})} are not stages (expected some of "
-                         f"{[s.name for s in STAGES]})")
     if not isinstance(model, CompileState):
         known = inspect.signature(compile_train_step).parameters
         model = _bound(model, {k: v for k, v in options.items() if k in known})
-    for name, value in options.items():
-        setattr(model, name, value)
-    return run_stages(picked, model)
+    model.__dict__["_values"].update(options)
+    return run_stages(STAGES, model, only=names)
 
 
 def _zero_rows(tape: ir.tape.Tape, grads: list[ir.Value], ws: list[ir.Value], fixed_rows: dict) -> None:

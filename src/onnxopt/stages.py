@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import onnx_ir as ir
 
@@ -105,13 +105,17 @@ def _node_ids(state: CompileState) -> set[int]:
 
 
 def run_stages(stages: Sequence[Stage], state: CompileState, until: str | None = None,
-               report: list[StageReport] | None = None) -> CompileState:
-    """Runs ``stages`` in order on ``state`` (up to and including the stage named ``until``); appends a
-    ``StageReport`` per stage to ``report`` when given (counting nodes costs a set per stage)."""
-    if until is not None and until not in [s.name for s in stages]:
-        raise StageError(f"until: {until!r} is not a stage (expected one of {[s.name for s in stages]})")
+               report: list[StageReport] | None = None, only: Collection[str] | None = None) -> CompileState:
+    """Runs ``stages`` in order on ``state`` (up to and including the stage named ``until``; when ``only`` is given,
+    those it names: a client's part of the list); appends a ``StageReport`` per stage to ``report`` when given
+    (counting nodes costs a set per stage)."""
+    names = [s.name for s in stages]
+    if until is not None and until not in names:
+        raise StageError(f"until: {until!r} is not a stage (expected one of {names})")
+    if only is not None and set(only) - set(names):
+        raise StageError(f"only: {sorted(set(only) - set(names))} are not stages (expected some of {names})")
     made_by = {name: s.name for s in stages for name in s.leaves}
-    for stage in stages:
+    for stage in stages if only is None else [s for s in stages if s.name in only]:
         missing = [n for n in stage.needs if n not in state]
         if missing:
             raise StageError(f"stage {stage.name!r} needs {missing}, left by stage(s) "
