@@ -7,7 +7,6 @@ the output gradients. Like autograd, several forwards may be in flight; each ret
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -19,8 +18,6 @@ from onnxopt.gradient import FLOAT_TYPES, SplitAgent, TrainingAgent, agent_model
 from onnxopt.modelio import ModelLike
 
 __all__ = ["ForwardBackward", "Context", "Outputs"]
-
-logger = logging.getLogger(__name__)
 
 
 class Context:

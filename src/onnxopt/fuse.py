@@ -47,8 +47,6 @@ from onnxopt.tasks import choose_loss
 __all__ = ["compile_train_step", "explain_train_step", "run_part", "STAGES", "select_output", "loss_graph", "apply_loss",
            "target_input"]
 
-logger = logging.getLogger(__name__)
-
 
 def select_output(m: ir.Model, output: str | None, what: str = "output") -> ir.Value:
     """The model output the loss reads; ``output`` is required when the model has several."""
