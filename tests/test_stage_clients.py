@@ -20,7 +20,8 @@ def _in_order(names: list[str]) -> bool:
 
 
 def test_recorded_lists_the_stages_run_in_order():
-    stages = [Stage("a", lambda s: setattr(s, "x", 1), (), ("x",)), Stage("b", lambda s: setattr(s, "y", 1), ("x",), ("y",))]
+    stages = [Stage("a", lambda s: setattr(s, "x", 1), (), ("x",)),
+              Stage("b", lambda s: setattr(s, "y", 1), ("x",), ("y",))]
     with recorded() as outer:
         run_stages(stages, CompileState())
         with recorded() as inner:

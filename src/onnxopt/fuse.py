@@ -44,8 +44,8 @@ from onnxopt.stages import CompileState, Stage, StageReport, run_stages
 from onnxopt.step import GRAD, NEW, STEP, TrainStep
 from onnxopt.tasks import choose_loss
 
-__all__ = ["compile_train_step", "explain_train_step", "run_part", "STAGES", "select_output", "loss_graph", "apply_loss",
-           "target_input"]
+__all__ = ["compile_train_step", "explain_train_step", "run_part", "STAGES", "select_output", "loss_graph",
+           "apply_loss", "target_input"]
 
 
 def select_output(m: ir.Model, output: str | None, what: str = "output") -> ir.Value:
@@ -291,8 +291,8 @@ def _functions(s: CompileState) -> None:
 def _differentiate(s: CompileState) -> None:
     """Builds the gradient graph (forward, backward) of the kept output with respect to the trained weights.
 
-    Needs ``names``, ``initial``, ``checked``; leaves ``fused`` (the step being built), ``y`` (its prediction), ``grads`` and
-    ``ws`` (gradient and weight values, in ``names`` order)."""
+    Needs ``names``, ``initial``, ``checked``; leaves ``fused`` (the step being built), ``y`` (its prediction),
+    ``grads`` and ``ws`` (gradient and weight values, in ``names`` order)."""
     s.fused, forward = gradient_ir(s.model, s.names, (), keep_outputs=True, fill_grad=not s.by_output,
                                    portable=s.portable, gradient=s.source)
     g = s.fused.graph
