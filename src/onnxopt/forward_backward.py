@@ -7,20 +7,17 @@ the output gradients. Like autograd, several forwards may be in flight; each ret
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
 from onnxopt.errors import DataError, ModelError
-from onnxopt.gradient import FLOAT_TYPES, SplitAgent, TrainingAgent, agent_model, check_weights, gradient_source, split_models
-from onnxopt.modelio import ModelLike, load_model
-from onnxopt.passes.tie import retarget, tie_parameters
+from onnxopt.fuse import run_part
+from onnxopt.gradient import FLOAT_TYPES, SplitAgent, TrainingAgent, agent_model, split_models
+from onnxopt.modelio import ModelLike
 
 __all__ = ["ForwardBackward", "Context", "Outputs"]
-
-logger = logging.getLogger(__name__)
 
 
 class Context:
@@ -64,9 +61,10 @@ class ForwardBackward:
                  tie: bool = True, gradient: str | None = None):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
-        self.model = m = load_model(model)
-        self.ties = tie_parameters(m, tie)
-        self.weight_names = check_weights(m, retarget(weights, self.ties))
+        # NOTE: the compiler's load, tie and weights stages; the gradient builder applies ``mode`` itself (stats=())
+        part = run_part(model, ("load", "tie", "weights"), weights=weights, tie=tie, gradient=gradient, stats=())
+        self.model = m = part.model
+        self.ties, self.weight_names = part.ties, part.names
         self.input_names = [v.name for v in m.graph.inputs if v.name not in m.graph.initializers]
         self.output_names = [v.name for v in m.graph.outputs]
         types = {v.name: v.dtype for v in m.graph.inputs}
@@ -82,15 +80,14 @@ class ForwardBackward:
                                  f"found {types[name]})")
         self.grad_input_names = [n for n in self.input_names if n in inputs]
         self._dtypes = {n: ir.DataType(types[n]).numpy() for n in self.input_names}
-        if gradient_source(gradient) == "builder":
+        if part.source == "builder":
             proto, self._no_grad = agent_model(m, self.weight_names, self.grad_input_names, mode)
             self._agent = TrainingAgent(proto, len(self.output_names), device)
         else:
             fwd, bwd, _, self._no_grad = split_models(m, self.weight_names, self.grad_input_names, mode)
             self._agent = SplitAgent(fwd, bwd, len(self.output_names), device, [*self.input_names, *self.weight_names])
-        inits = m.graph.initializers
         # NOTE: an OrtValue over NumPy memory does not own it: the arrays stay here, the OrtValues share them.
-        self._arrays = {n: np.array(inits[n].const_value.numpy()) for n in self.weight_names}
+        self._arrays = {n: np.array(value.numpy()) for n, value in part.initial.items()}
         self._weights = {n: self._agent.ortvalue(a) for n, a in self._arrays.items()}
         self._pending: list[Context] = []
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -44,10 +44,8 @@ from onnxopt.stages import CompileState, Stage, StageReport, run_stages
 from onnxopt.step import GRAD, NEW, STEP, TrainStep
 from onnxopt.tasks import choose_loss
 
-__all__ = ["compile_train_step", "explain_train_step", "STAGES", "select_output", "loss_graph", "apply_loss",
-           "target_input"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["compile_train_step", "explain_train_step", "run_part", "STAGES", "select_output", "loss_graph",
+           "apply_loss", "target_input"]
 
 
 def select_output(m: ir.Model, output: str | None, what: str = "output") -> ir.Value:
@@ -216,13 +214,19 @@ def _load(s: CompileState) -> None:
 
 
 def _tie(s: CompileState) -> None:
-    """Ties duplicated parameters (``passes.tie``), splits running statistics from weights, keeps the inference model.
+    """Ties duplicated parameters (``passes.tie``).
 
-    Needs ``model``; leaves ``weights``, ``frozen``, ``fixed_rows`` (renamed to the tied parameters) and
-    ``inference`` (the proto ``Runner.export`` writes into)."""
-    ties = tie_parameters(s.model, s.tie)
+    Needs ``model``; leaves ``ties`` ({duplicate: parameter}) and ``weights``, ``frozen``, ``fixed_rows`` renamed to
+    the tied parameters."""
+    s.ties = ties = tie_parameters(s.model, s.tie)
     s.weights, s.frozen = retarget(s.weights, ties), retarget(s.frozen, ties)
     s.fixed_rows = {ties.get(n, n): rows for n, rows in (s.fixed_rows or {}).items()}
+
+
+def _inference(s: CompileState) -> None:
+    """Splits running statistics from weights and keeps the inference model.
+
+    Needs ``ties`` (the tied model); leaves ``inference`` (the proto ``Runner.export`` writes into)."""
     split_statistics(s.model)  # NOTE: also in the inference model, so export() writes statistics and weights apart
     s.inference = ir.to_proto(s.model)
 
@@ -263,25 +267,32 @@ def _modes(s: CompileState) -> None:
 
 
 def _trained(s: CompileState) -> None:
-    """Picks the trained weights and checks the step's DSL functions against them.
+    """Picks the trained weights: ``weights`` less ``frozen``, None = every real weight (``check_weights``).
 
-    Needs ``stats``, ``rule``; leaves ``names`` (trained weights) and ``initial`` (their values), cleared from
-    ``inference``."""
-    s.names = names = check_weights(s.model, s.weights, s.frozen)
-    check_step_functions(s.loss_decl, s.rule, s.pen, s.sched, s.y, [s.model.graph.initializers[n] for n in names],
+    Needs ``stats`` (after ``modes``; a client that applies no mode passes ``stats=()``); leaves ``names`` and
+    ``initial`` (their values)."""
+    s.names = check_weights(s.model, s.weights, s.frozen)
+    s.initial = {n: s.model.graph.initializers[n].const_value for n in s.names}
+
+
+def _functions(s: CompileState) -> None:
+    """Checks the step's DSL functions against the trained weights; clears their values from ``inference``.
+
+    Needs ``names``, ``rule``, ``inference``; leaves ``checked``."""
+    check_step_functions(s.loss_decl, s.rule, s.pen, s.sched, s.y, [s.model.graph.initializers[n] for n in s.names],
                          s.model.opset_imports[""])
-    s.initial = {n: s.model.graph.initializers[n].const_value for n in names}
     for init in s.inference.graph.initializer:  # NOTE: trained values live in the runner, not twice on disk
         if init.name in s.initial:
             for field in ("raw_data", "float_data", "double_data"):
                 init.ClearField(field)
+    s.checked = True
 
 
 def _differentiate(s: CompileState) -> None:
     """Builds the gradient graph (forward, backward) of the kept output with respect to the trained weights.
 
-    Needs ``names``, ``initial``; leaves ``fused`` (the step being built), ``y`` (its prediction), ``grads`` and
-    ``ws`` (gradient and weight values, in ``names`` order)."""
+    Needs ``names``, ``initial``, ``checked``; leaves ``fused`` (the step being built), ``y`` (its prediction),
+    ``grads`` and ``ws`` (gradient and weight values, in ``names`` order)."""
     s.fused, forward = gradient_ir(s.model, s.names, (), keep_outputs=True, fill_grad=not s.by_output,
                                    portable=s.portable, gradient=s.source)
     g = s.fused.graph
@@ -451,12 +462,14 @@ def _package(s: CompileState) -> None:
 
 STAGES: tuple[Stage, ...] = (
     Stage("load", _load, (), ("model", "source", "portable")),
-    Stage("tie", _tie, ("model",), ("weights", "frozen", "fixed_rows", "inference")),
+    Stage("tie", _tie, ("model",), ("ties", "weights", "frozen", "fixed_rows")),
+    Stage("inference", _inference, ("ties",), ("inference",)),
     Stage("check", _check, ("loss",), ("rule", "pen", "sched", "loss_decl", "by_output")),
     Stage("select", _select, ("model", "by_output"), ("y",)),
     Stage("modes", _modes, ("y",), ("stats",)),
-    Stage("weights", _trained, ("stats", "rule", "inference"), ("names", "initial")),
-    Stage("differentiate", _differentiate, ("names", "initial"), ("fused", "y", "grads", "ws")),
+    Stage("weights", _trained, ("stats",), ("names", "initial")),
+    Stage("functions", _functions, ("names", "rule", "inference"), ("checked",)),
+    Stage("differentiate", _differentiate, ("names", "initial", "checked"), ("fused", "y", "grads", "ws")),
     Stage("loss", _loss, ("fused", "y"), ("loss_value", "target", "sample_weight")),
     Stage("penalty", _penalty, ("grads", "loss_value"), ("penalized", "total_loss")),
     Stage("clip", _clip_stage, ("penalized",), ("clipped",)),
@@ -488,8 +501,8 @@ def compile_train_step(
     gradient: str | None = None,
 ) -> TrainStep:
     """Compiles one training step of ``model`` into a single ONNX graph (see ``step.TrainStep`` for its names):
-    runs ``STAGES`` (load, tie, check, select, modes, weights, differentiate, loss, penalty, clip, schedule, update,
-    outputs, lower, finish, optimize, package) on the arguments.
+    runs ``STAGES`` (load, tie, inference, check, select, modes, weights, functions, differentiate, loss, penalty,
+    clip, schedule, update, outputs, lower, finish, optimize, package) on the arguments.
 
     Args:
         model: the inference model (proto, ir.Model or path).
@@ -527,12 +540,31 @@ def _options(arguments: dict) -> CompileState:
     return CompileState(**options)
 
 
-def explain_train_step(model: ModelLike, **kwargs) -> tuple[TrainStep, list[StageReport]]:
-    """``compile_train_step(model, **kwargs)`` and what each stage did (``onnxopt compile --explain``)."""
+def _bound(model: ModelLike, kwargs: dict) -> CompileState:
+    """A state of ``compile_train_step``'s arguments ``kwargs``, its defaults for those not given."""
     arguments = inspect.signature(compile_train_step).bind(model, **kwargs)
     arguments.apply_defaults()
+    return _options(arguments.arguments)
+
+
+def explain_train_step(model: ModelLike, **kwargs) -> tuple[TrainStep, list[StageReport]]:
+    """``compile_train_step(model, **kwargs)`` and what each stage did (``onnxopt compile --explain``)."""
     report: list[StageReport] = []
-    return run_stages(STAGES, _options(arguments.arguments), report=report).step, report
+    return run_stages(STAGES, _bound(model, kwargs), report=report).step, report
+
+
+def run_part(model: ModelLike | CompileState, names: Collection[str], **options) -> CompileState:
+    """Runs the stages ``names`` of ``STAGES``, in the list's order: the part of the compiler that ``grad``, partial
+    training and the facades run instead of their own copies (docs/fused_step.md).
+
+    ``model`` is a model, then the state holds ``compile_train_step``'s options (its defaults for those not given)
+    plus the other ``options`` (what a client passes for a stage it does not run); or the state an earlier part
+    left, ``options`` added."""
+    if not isinstance(model, CompileState):
+        known = inspect.signature(compile_train_step).parameters
+        model = _bound(model, {k: v for k, v in options.items() if k in known})
+    model.__dict__["_values"].update(options)
+    return run_stages(STAGES, model, only=names)
 
 
 def _zero_rows(tape: ir.tape.Tape, grads: list[ir.Value], ws: list[ir.Value], fixed_rows: dict) -> None:

@@ -15,7 +15,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common as passes
 
 from onnxopt.errors import ModelError
-from onnxopt.modelio import ModelLike, load_model
+from onnxopt.fuse import run_part
+from onnxopt.modelio import ModelLike
 
 __all__ = ["grad"]
 
@@ -42,8 +43,8 @@ def grad(model: ModelLike, wrt: Sequence[str], of: str | None = None, *, seed: b
     >>> [o.name for o in g.graph.output]
     ['Y', 'coef_grad']
     """
-    m = load_model(model)
-    g = m.graph
+    part = run_part(model, ("load",), gradient="onnxopt")  # NOTE: the compiler's load stage
+    m, g = part.model, part.model.graph
     wrt = [wrt] if isinstance(wrt, str) else list(wrt)
     inputs = {v.name: v for v in g.inputs}
     names = sorted({*inputs, *g.initializers})
@@ -70,6 +71,9 @@ def grad(model: ModelLike, wrt: Sequence[str], of: str | None = None, *, seed: b
             value = g.initializers.pop(name)
             lifted[name], value.const_value = value.const_value, None
             g.inputs.append(value)
+    # NOTE: the compiler's modes stage, mode=None: BatchNormalization and Dropout as their training_mode says, in
+    # standard ops (y: the output differentiated, which the compiler's select stage would leave)
+    run_part(part, ("modes",), mode=None, y=target)
     result, kept, grads = _differentiate(m, wrt, target.name, seed)
     g = result.graph
     for name, tensor in lifted.items():
@@ -120,10 +124,8 @@ def _differentiate(m: ir.Model, wrt: list[str], of: str, seed: bool) -> tuple[ir
     """``m`` (changed in place) differentiated: (the model, its outputs, the gradients of output ``of`` with
     respect to the graph inputs ``wrt``, seeded by an input ``<of>_grad`` or ones)."""
     from onnxopt.autodiff import differentiate
-    from onnxopt.passes.modes import apply_mode
     from onnxopt.rules import lower_for_gradient
 
-    apply_mode(m, None)  # NOTE: BatchNormalization and Dropout as their training_mode says, in standard ops
     lower_for_gradient(m, gradient="onnxopt")
     passes.CommonSubexpressionEliminationPass()(m)
     g = m.graph

@@ -9,15 +9,30 @@ same list runs whole (``compile_train_step``), as a prefix (``until=``) or expla
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import onnx_ir as ir
 
 from onnxopt.errors import OnnxoptError
 
-__all__ = ["Stage", "CompileState", "StageError", "StageReport", "run_stages", "format_report"]
+__all__ = ["Stage", "CompileState", "StageError", "StageReport", "run_stages", "format_report", "recorded"]
+
+_RECORDERS: list[list[str]] = []
+
+
+@contextlib.contextmanager
+def recorded() -> Iterator[list[str]]:
+    """The names of the stages every ``run_stages`` runs inside the ``with`` block, in order: which part of the
+    list a client (``grad``, partial training, a facade) runs."""
+    names: list[str] = []
+    _RECORDERS.append(names)
+    try:
+        yield names
+    finally:
+        _RECORDERS.remove(names)
 
 
 class StageError(OnnxoptError, RuntimeError):
@@ -90,13 +105,17 @@ def _node_ids(state: CompileState) -> set[int]:
 
 
 def run_stages(stages: Sequence[Stage], state: CompileState, until: str | None = None,
-               report: list[StageReport] | None = None) -> CompileState:
-    """Runs ``stages`` in order on ``state`` (up to and including the stage named ``until``); appends a
-    ``StageReport`` per stage to ``report`` when given (counting nodes costs a set per stage)."""
-    if until is not None and until not in [s.name for s in stages]:
-        raise StageError(f"until: {until!r} is not a stage (expected one of {[s.name for s in stages]})")
+               report: list[StageReport] | None = None, only: Collection[str] | None = None) -> CompileState:
+    """Runs ``stages`` in order on ``state`` (up to and including the stage named ``until``; when ``only`` is given,
+    those it names: a client's part of the list); appends a ``StageReport`` per stage to ``report`` when given
+    (counting nodes costs a set per stage)."""
+    names = [s.name for s in stages]
+    if until is not None and until not in names:
+        raise StageError(f"until: {until!r} is not a stage (expected one of {names})")
+    if only is not None and set(only) - set(names):
+        raise StageError(f"only: {sorted(set(only) - set(names))} are not stages (expected some of {names})")
     made_by = {name: s.name for s in stages for name in s.leaves}
-    for stage in stages:
+    for stage in stages if only is None else [s for s in stages if s.name in only]:
         missing = [n for n in stage.needs if n not in state]
         if missing:
             raise StageError(f"stage {stage.name!r} needs {missing}, left by stage(s) "
@@ -106,6 +125,8 @@ def run_stages(stages: Sequence[Stage], state: CompileState, until: str | None =
         start = time.perf_counter()
         stage.fn(state)
         seconds = time.perf_counter() - start
+        for names in _RECORDERS:
+            names.append(stage.name)
         unmade = [n for n in stage.leaves if n not in state]
         if unmade:
             raise StageError(f"stage {stage.name!r} did not leave {unmade}")

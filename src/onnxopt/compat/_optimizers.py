@@ -38,8 +38,7 @@ except ImportError as _exc:  # NOTE: scikit-learn is an extra: the rest of onnxo
 from onnxopt import atomic
 from onnxopt.compat._learning import LearningRateSGD, select_loss, select_penalty, select_rate
 from onnxopt.errors import ConvergenceError, DataError, DslError, ModelError, WeightError
-from onnxopt.fuse import compile_train_step
-from onnxopt.gradient import check_weights
+from onnxopt.fuse import compile_train_step, run_part
 from onnxopt.modelio import ModelLike, load_model
 from onnxopt.trainer import Trainer
 
@@ -184,8 +183,7 @@ class _Base(BaseEstimator):
         one graph where onnxcustom had several; before ``fit`` the schedule counts one step per epoch."""
         step = getattr(self, "train_step_", None)
         if step is None:
-            m = load_model(self.model_onnx)
-            names = check_weights(m, self.weights_to_train)
+            m, names = self._loaded()
             step = compile_train_step(ir.to_proto(self._as_step_model(m)), **self._step_args(m, names, 1))
         trained = self.get_trained_onnx() if getattr(self, "_fitted", False) else ir.to_proto(load_model(self.model_onnx))
         graphs = {"train_step": step.model, "trained_onnx": trained}
@@ -201,7 +199,13 @@ class _Base(BaseEstimator):
         """The trained weights' names: the last fit's, else ``weights_to_train``, else the model's real weights."""
         if getattr(self, "_fitted", False) and self._weights:
             return list(self._weights)
-        return check_weights(load_model(self.model_onnx), self.weights_to_train)
+        return self._loaded()[1]
+
+    def _loaded(self) -> tuple[ir.Model, list[str]]:
+        """``model_onnx`` and ``weights_to_train`` checked: the compiler's load and weights stages (no mode applied
+        before: ``stats=()``)."""
+        part = run_part(self.model_onnx, ("load", "weights"), weights=self.weights_to_train, stats=())
+        return part.model, part.names
 
     def _as_step_model(self, m: ir.Model) -> ir.Model:
         return m
@@ -233,14 +237,14 @@ class OrtGradientForwardBackwardOptimizer(_Base):
     def needs_grad(self) -> bool:
         return self.learning_rate.needs_grad
 
-    def _weight_names(self, m: ir.Model) -> list[str]:
+    def _ordered(self) -> tuple[ir.Model, list[str]]:
         """onnxcustom's rule for this estimator: ``weights_to_train`` in the initializers' order (get_state's)."""
-        names = check_weights(m, self.weights_to_train)
+        m, names = self._loaded()
         order = [n for n in m.graph.initializers if n in set(names)]
         if names != order:
             raise WeightError(f"weights_to_train: expected names in the initializers' order {order} (as onnxcustom "
                               f"required), got {names}; reorder them or rename them with onnx_rename_weights(model)")
-        return names
+        return m, names
 
     def _step_args(self, m: ir.Model, names: list[str], steps: int) -> dict:
         return dict(loss=self.learning_loss.to_dsl(), update=self.learning_rate.update(),
@@ -250,8 +254,7 @@ class OrtGradientForwardBackwardOptimizer(_Base):
     def fit(self, X, y, sample_weight=None, X_val=None, y_val=None):
         """Trains ``max_iter`` epochs (``validation_losses_`` on X_val, y_val every ``validation_every``);
         returns self."""
-        m = load_model(self.model_onnx)
-        names = self._weight_names(m)
+        m, names = self._ordered()
         steps = -(-len(X) // max(1, min(self.batch_size, len(X))))
         trainer = Trainer(ir.to_proto(self._start(m, names)), **self._step_args(m, names, steps),
                           batch_size=self.batch_size, device=self.device, tol=None, verbose=self.verbose,
@@ -343,8 +346,7 @@ class OrtGradientOptimizer(_Base):
     def fit(self, X, y, sample_weight=None, X_val=None, y_val=None, use_numpy=False):
         """Trains ``max_iter`` epochs (``validation_losses_`` on X_val, y_val every ``validation_every``);
         returns self. ``use_numpy`` is accepted and ignored (onnxopt has one way to feed batches)."""
-        m = load_model(self.model_onnx)
-        names = check_weights(m, self.weights_to_train)
+        m, names = self._loaded()
         m = self._renamed(self._start(m, names), sample_weight is not None)
         batch = max(1, min(self.batch_size, len(X)))
         trainer = Trainer(ir.to_proto(m), **self._step_args(m, names, -(-len(X) // batch), batch),

@@ -217,7 +217,7 @@ def generate_artifacts(
     model already outputs its loss first. ``requires_grad`` lists the trained initializers (default: none,
     as onnxruntime), ``frozen_params`` the ones stored in the checkpoint but not trained.
     """
-    from onnxopt.modelio import load_model
+    from onnxopt.fuse import run_part
 
     if ort_format:
         raise ModelError("ort_format: expected False; onnxopt writes ONNX files only (the ORT format is "
@@ -225,7 +225,7 @@ def generate_artifacts(
     if custom_op_library is not None:
         raise ModelError(f"custom_op_library: expected None, got {custom_op_library!r}; custom ops have no "
                          "gradient in onnxopt")
-    base = load_model(model)
+    base = run_part(model, ("load",), gradient="onnxopt").model  # NOTE: the compiler's load stage; onnxopt's rules
     requires_grad, frozen = list(requires_grad or []), list(frozen_params or [])
     inits = base.graph.initializers
     missing = [n for n in [*requires_grad, *frozen] if n not in inits]

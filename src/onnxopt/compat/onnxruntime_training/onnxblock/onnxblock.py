@@ -78,7 +78,7 @@ class TrainingBlock(blocks.Block):
 
     def __call__(self, *args, **kwargs):
         from onnxopt.compat.onnxruntime_training import artifacts
-        from onnxopt.modelio import load_model
+        from onnxopt.fuse import run_part
 
         self.base = blocks._ACCESSOR[-1].model if blocks._ACCESSOR else None
         if self.base is None:
@@ -89,7 +89,8 @@ class TrainingBlock(blocks.Block):
         inits = {i.name: i for i in model.graph.initializer}
         self._parameters = ([inits[n] for n in inits if n in self._requires_grad],
                             [inits[n] for n in inits if n in self._frozen_params])
-        loss_model = load_model(model)  # NOTE: the default opset raised to what onnxopt's gradient rules write
+        # NOTE: the compiler's load stage: the default opset raised to what onnxopt's gradient rules write
+        loss_model = run_part(model, ("load",), gradient="onnxopt").model
         grads = [n for n in self._requires_grad if n in inits or n in {i.name for i in model.graph.input}]
         frozen = [n for n in self._frozen_params if n in inits]
         self._training_model = artifacts.training_model(loss_model, grads, frozen, [])
