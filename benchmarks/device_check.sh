@@ -27,7 +27,8 @@ if "CUDAExecutionProvider" not in ort.get_available_providers():
     print(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider")
 else:  # NOTE: the provider may load and still find no device or no cuDNN: one Relu on the GPU says
     m = h.make_model(h.make_graph([h.make_node("Relu", ["x"], ["y"])], "g", [h.make_tensor_value_info("x", T.FLOAT, [2])],
-                                  [h.make_tensor_value_info("y", T.FLOAT, [2])]))
+                                  [h.make_tensor_value_info("y", T.FLOAT, [2])]),
+                     ir_version=10, opset_imports=[h.make_opsetid("", 17)])  # NOTE: what onnxruntime >= 1.17 reads
     s = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"])
     print("GPU-OK" if s.get_providers()[0] == "CUDAExecutionProvider" else f"the session fell back to {s.get_providers()}")
 EOF
