@@ -5,14 +5,18 @@
 // initializer, so the model given to the session has the carried tensors (weights, optimizer state, running
 // statistics, the step counter) as plain graph inputs; their initial values come from the file's initializers.
 // Between steps the output tensors of one run are the inputs of the next: nothing is copied through JS arrays.
+// A step saved by `ship.for_js` also holds its packed form ("onnxopt.packed"): the model Python's Runner runs on CPU
+// with every carried tensor of the weights' type in one flat input "carry" and one output "carry.new". onnxruntime's
+// JS bindings convert each input and output of a run (and onnxruntime-node copies each output into a new buffer), so
+// W1-adam's 22 inputs and 20 outputs become 5 and 3; the weights and state are views of the carry.
 
 import { readCheckpoint, writeCheckpoint } from "./checkpoint.js";
 import * as pb from "./proto.js";
 import { base64, describe, readBeside, readSource } from "./source.js";
 
-const TRAIN_STEP = "onnxopt.train_step", PROTOCOL = "onnxopt.protocol", EPOCH = "onnxopt.epoch";
+const TRAIN_STEP = "onnxopt.train_step", PROTOCOL = "onnxopt.protocol", EPOCH = "onnxopt.epoch", PACKED = "onnxopt.packed";
 const CARRIED = new Set(["weight", "state", "step", "buffer"]);
-const NEW = ".new", STEP = "optim.step";
+const NEW = ".new", STEP = "optim.step", CARRY = "carry";
 const SMALL_STEP = 1_000_000;  // NOTE: parameters × batch below which one thread is faster (as Python's Runner)
 
 /** The protocol of a step saved before "onnxopt.protocol" existed, from its TrainStep fields. */
@@ -92,7 +96,8 @@ async function parseStep(bytes, base, options) {
   const graph = pb.concat(parts);
   const model = pb.rewriteModel(bytes, () => graph, (f) => f.field !== 14);  // NOTE: metadata stays out of ORT
   const epoch = EPOCH in props ? JSON.parse(props[EPOCH]) : null;
-  return { fields, protocol, carried, initial, declared, model, epoch, metadata: props };
+  const packed = PACKED in props ? JSON.parse(props[PACKED]) : null;
+  return { fields, protocol, carried, initial, declared, model, epoch, packed, metadata: props };
 }
 
 export class StepRunner {
@@ -110,7 +115,9 @@ export class StepRunner {
     const { bytes, base } = await readSource(step, "step");
     const parsed = await parseStep(bytes, base, options);
     const runner = new StepRunner(ort, parsed, options);
-    runner._session = await runner._open(parsed.model, "step");
+    const packed = runner._packed;
+    runner._session = await runner._open(packed ? base64(packed.model) : parsed.model, "step");
+    if (packed?.side) runner._side = await runner._open(base64(packed.side), "step");
     return runner;
   }
 
@@ -131,14 +138,58 @@ export class StepRunner {
     this.stateNames = [...role("buffer"), ...role("state"), ...role("step")];
     this._names = { x: data[0], y: role("target")[0] ?? null, w: role("sample_weight")[0] ?? null };
     this._loss = protocol.outputs.find((o) => o.role === "loss").name;
-    this._carriedOut = protocol.outputs.filter((o) => o.feeds);
     this.targetKind = protocol.target_kind;
     this.batchSize = options.batchSize ?? 32;
     this._fields = fields;
     this._ones = new Map();
+    this._hoisted = new Map();
+    // NOTE: the packed form keeps its carry on the CPU: a binding told to leave outputs on a device runs the step as saved
+    const packed = options.packed !== false && !options.sessionOptions?.preferredOutputLocation ? parsed.packed : null;
+    this._packed = packed?.version === 1 ? packed : null;
+    const initial = Object.fromEntries(parsed.carried.map((n) => [n, this._initialTensor(n)]));
+    this.dtype = initial[this.weightNames[0]]?.type ?? "float32";
+    // NOTE: groups: the session's carried inputs, each with the output that replaces it and the tensors it holds
+    this._groups = {};
+    this._where = {};
     this._current = {};
-    for (const name of parsed.carried) this._current[name] = this._initialTensor(name);
-    this.dtype = this._current[this.weightNames[0]]?.type ?? "float32";
+    const layout = this._packed?.carry ?? [];
+    if (layout.length) {
+      const size = layout.reduce((n, [, offset, dims]) => Math.max(n, offset + sizeOf(dims)), 0);
+      const data = new (initial[layout[0][0]].data.constructor)(size);
+      for (const [name, offset, dims] of layout) {
+        data.set(initial[name].data, offset);
+        this._where[name] = { group: CARRY, offset, dims, size: sizeOf(dims) };
+      }
+      this._groups[CARRY] = CARRY + NEW;
+      this._current[CARRY] = new this.ort.Tensor(this.dtype, data, [size]);
+    }
+    for (const name of parsed.carried.filter((n) => !(n in this._where))) {
+      this._groups[name] = this._packed ? name + NEW : protocol.outputs.find((o) => o.feeds === name).name;
+      this._where[name] = { group: name };
+      this._current[name] = initial[name];
+    }
+  }
+
+  /** @private the carried tensor `name` (a weight, a state): a view of the carry that holds it, no copy. */
+  _tensor(name) {
+    const w = this._where[name], t = this._current[w.group];
+    return w.dims ? new this.ort.Tensor(t.type, t.data.subarray(w.offset, w.offset + w.size), w.dims) : t;
+  }
+
+  /** @private makes `values` ({name: TypedArray}) current: a carry that holds one is copied, then written. */
+  _assign(values) {
+    const next = {};
+    for (const [name, data] of Object.entries(values)) {
+      const w = this._where[name];
+      if (!w.dims) {
+        next[name] = new this.ort.Tensor(this._current[name].type, data, this._current[name].dims);
+        continue;
+      }
+      const t = next[w.group] ??= new this.ort.Tensor(this._current[w.group].type, this._current[w.group].data.slice(),
+        this._current[w.group].dims);
+      t.data.set(data, w.offset);
+    }
+    this._replace(next);
   }
 
   /** @private */
@@ -183,8 +234,7 @@ export class StepRunner {
 
   /** Steps completed so far (the step counter the step carries). */
   get stepCount() {
-    const t = this._current[STEP];
-    return t ? Number(t.data[0]) : 0;
+    return this._where[STEP] ? Number(this._tensor(STEP).data[0]) : 0;
   }
 
   /** @private checks one batch tensor against the step's input `name`. */
@@ -268,8 +318,9 @@ export class StepRunner {
    */
   async step(X, y, sampleWeight) {
     const batch = this._batch(X, y, sampleWeight);
-    const fetches = [this._loss, ...this._carriedOut.map((o) => o.name)];
-    const out = await this._run(this._session, { ...this._current, ...batch }, fetches, batch);
+    const feeds = this._packed ? await this._packedFeeds(batch, sampleWeight) : batch;
+    const fetches = [this._loss, ...Object.values(this._groups)];
+    const out = await this._run(this._session, { ...this._current, ...feeds }, fetches, batch);
     const lossTensor = out[this._loss];
     const loss = Number((lossTensor.location && lossTensor.location !== "cpu" ? await lossTensor.getData() : lossTensor.data)[0]);
     if (!Number.isFinite(loss)) {
@@ -277,9 +328,25 @@ export class StepRunner {
         "before it (see getWeights()): lower the learning rate or check the data for extreme values");
     }
     const next = {};
-    for (const o of this._carriedOut) next[o.feeds] = out[o.name];
+    for (const [name, output] of Object.entries(this._groups)) next[name] = out[output];
     this._replace(next);
     return loss;
+  }
+
+  /** @private the packed model's feeds for `batch`: the target shaped like the prediction, and in place of the
+   * sample weights the values the side model computes from them (once per batch length when none are given). */
+  async _packedFeeds(batch, sampleWeight) {
+    const { x, y, w } = this._names, { target_shape: shape, hoisted, weight_kept: kept } = this._packed;
+    const n = batch[x].dims[0], feeds = { [x]: batch[x] };
+    if (y) feeds[y] = shape ? new this.ort.Tensor(batch[y].type, batch[y].data, [n, ...shape]) : batch[y];
+    if (!w) return feeds;
+    let values = sampleWeight ? null : this._hoisted.get(n);
+    if (!values) {
+      values = this._side ? await this._side.run({ [w]: batch[w] }, hoisted) : {};
+      if (kept) values[w] = batch[w];
+      if (!sampleWeight) this._hoisted.set(n, values);
+    }
+    return Object.assign(feeds, values);
   }
 
   /** @private makes `next` current; tensors held on a device (not by JS) are released. */
@@ -332,24 +399,24 @@ export class StepRunner {
       feeds[P + name] = this._rows(t, 0, cut, [steps - 1, batch]);
       feeds[P + name + ".last"] = this._rows(t, cut, cut + batch);
     }
-    for (const name of carried) feeds[P + name] = this._current[name];
+    for (const name of carried) feeds[P + name] = this._tensor(name);
     if (this._names.w) feeds[this._names.w] = this._onesOf(batch);
     if (this._epochInputs.has(P + "count")) feeds[P + "count"] = new this.ort.Tensor("int64", BigInt64Array.of(BigInt(steps - 1)), []);
     const fetches = [P + "losses", P + "check", ...carried.map((c) => P + c + NEW)];
     const out = await this._run(this._epochSession, feeds, fetches, { [this._names.x]: X });
     if (!Number.isFinite(Number(out[P + "check"].data[0]))) return [];
-    this._replace(Object.fromEntries(carried.map((c) => [c, out[P + c + NEW]])));
+    this._assign(Object.fromEntries(carried.map((c) => [c, out[P + c + NEW].data])));
     return Array.from(out[P + "losses"].data, Number);
   }
 
   /** The current weights, {name: ort.Tensor}; the runner never writes into them (a step makes new ones). */
   getWeights() {
-    return Object.fromEntries(this.weightNames.map((n) => [n, this._current[n]]));
+    return Object.fromEntries(this.weightNames.map((n) => [n, this._tensor(n)]));
   }
 
   /** Optimizer state, running statistics and the step counter ("optim.step"), {name: ort.Tensor}. */
   getState() {
-    return Object.fromEntries(this.stateNames.map((n) => [n, this._current[n]]));
+    return Object.fromEntries(this.stateNames.map((n) => [n, this._tensor(n)]));
   }
 
   /** Replaces some or all weights: {name: ort.Tensor | TypedArray} of the weight's shape and type. */
@@ -362,16 +429,16 @@ export class StepRunner {
   _set(values, names, what) {
     const next = {};
     for (const [name, value] of Object.entries(values)) {
-      const ref = this._current[name];
+      const ref = names.includes(name) ? this._tensor(name) : null;
       if (!names.includes(name)) throw new Error(`${what}: ${JSON.stringify(name)} is not one of ${JSON.stringify(names)}`);
       const isTensor = value instanceof this.ort.Tensor, data = isTensor ? value.data : value;
       const got = isTensor ? `${value.type}${shapeText(value.dims)}` : `a ${value?.constructor?.name} of ${data?.length} values`;
       const ok = data?.constructor === ref.data.constructor && data.length === ref.data.length &&
         (!isTensor || shapeText(value.dims) === shapeText(ref.dims));
       if (!ok) throw new Error(`${what}: ${JSON.stringify(name)} expected ${ref.type}${shapeText(ref.dims)}, got ${got}`);
-      next[name] = new this.ort.Tensor(ref.type, data.slice(), ref.dims);  // NOTE: a copy: the caller keeps its array
+      next[name] = data.slice();  // NOTE: a copy: the caller keeps its array
     }
-    this._replace(next);
+    this._assign(next);
   }
 
   /**
@@ -399,14 +466,14 @@ export class StepRunner {
         `${JSON.stringify(extra.slice(0, 3))}); nothing was loaded`);
     }
     for (const name of expected) {
-      const a = arrays[name], ref = this._current[name];
+      const a = arrays[name], ref = this._tensor(name);
       if (a.type !== ref.type || shapeText(a.dims) !== shapeText(ref.dims)) {
         throw new Error(`checkpoint: array ${JSON.stringify(name)} is ${a.type}${shapeText(a.dims)}, expected ` +
           `${ref.type}${shapeText(ref.dims)}; nothing was loaded`);
       }
     }
     if (kind !== undefined && meta.kind !== kind) throw new Error(`checkpoint: written by ${JSON.stringify(meta.kind)}, expected ${JSON.stringify(kind)}`);
-    this._replace(Object.fromEntries(expected.map((n) => [n, new this.ort.Tensor(arrays[n].type, arrays[n].data, arrays[n].dims)])));
+    this._assign(Object.fromEntries(expected.map((n) => [n, arrays[n].data])));
     return meta;
   }
 
@@ -421,7 +488,7 @@ export class StepRunner {
     const values = {};
     for (const name of [...this.weightNames, ...this.stateNames.filter((n) => this._p.protocol.inputs
       .some((i) => i.name === n && i.role === "buffer"))]) {
-      const t = this._current[name];
+      const t = this._tensor(name);
       values[name] = { t, data: t.location && t.location !== "cpu" ? await t.getData() : t.data };
     }
     const graph = (g) => {
@@ -442,5 +509,6 @@ export class StepRunner {
   async release() {
     await this._session?.release();
     await this._epochSession?.release();
+    await this._side?.release();
   }
 }

@@ -9,6 +9,12 @@ epoch model>, "batch_inputs": [X, target], "carried": [...]}``. Its carried tens
 initializers: the runner feeds them), so a runner trains a whole epoch in one session run. A step the Scan
 cannot hold (control flow, random ops: ``passes.epoch.scannable``) is returned without one; runners then run
 the epoch one step per batch.
+
+``for_js`` also stores, under ``PACKED_KEY``, the step as the Python ``Runner`` runs it on CPU
+(``runner.cpu_model``: multi-tensor packs, the loss's per-batch values hoisted into a side model, the target
+shaped like the prediction) with every carried tensor of the weights' type in ONE flat input ``carry`` and one
+output ``carry.new`` (``pack_carry``). onnxruntime-node converts each input and output of a run between JS and
+native (~2-5 µs each) and copies every output into a new buffer: W1-adam's 22 inputs and 20 outputs become 5 and 3.
 """
 
 from __future__ import annotations
@@ -16,20 +22,89 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 
+import numpy as np
 import onnx
+import onnx_ir as ir
 
 from onnxopt.errors import ModelError
 from onnxopt.passes.epoch import epoch_model, scannable
-from onnxopt.step import TrainStep
+from onnxopt.passes.update import PACK_WEIGHTS
+from onnxopt.runner import SMALL_STEP, cpu_model, step_work
+from onnxopt.step import NEW, TrainStep
 
-__all__ = ["EPOCH_KEY", "for_js"]
+__all__ = ["EPOCH_KEY", "PACKED_KEY", "for_js", "pack_carry"]
 
 EPOCH_KEY = "onnxopt.epoch"
+PACKED_KEY = "onnxopt.packed"
+CARRY = "carry"
 
 
-def for_js(step: TrainStep) -> TrainStep:
-    """A copy of ``step`` whose saved file also holds its epoch form (``EPOCH_KEY``), when it has one.
+def _const(tape: ir.tape.Tape, values: list[int]) -> ir.Value:
+    return tape.op("Constant", [], {"value": ir.tensor(np.array(values, np.int64))})
+
+
+def pack_carry(step: TrainStep, batch_size: int = 32) -> dict:
+    """``step`` as ``runner.cpu_model`` makes it for ``batch_size`` rows, its carried tensors of the weights' type
+    in one input ``carry`` (split and reshaped in the graph) and one output ``carry.new`` (their new values,
+    concatenated in the same order). Returns the ``PACKED_KEY`` entry: the model (base64) and ``carry``, the
+    logical tensors it holds as ``[name, offset, dims]`` (every weight, buffer and optimizer state of that type,
+    packs expanded to their members), with ``cpu_model``'s side model, hoisted names and target shape."""
+    work = step_work(step)
+    cpu = cpu_model(step, batch_size, 1 if work * batch_size < SMALL_STEP else 2)
+    model = ir.from_proto(cpu.model)
+    g = model.graph
+    inputs, outputs = {v.name: v for v in g.inputs}, {v.name: v for v in g.outputs}
+    declared = {v.name: [int(d) for d in v.shape] for v in ir.from_proto(step.model).graph.inputs
+                if v.shape is not None and all(isinstance(d, int) for d in v.shape)}
+    members = {m for names in cpu.packs.values() for m in names}
+    dtype = inputs[step.weights[0]].dtype if step.weights[0] in inputs else inputs[PACK_WEIGHTS].dtype
+    slots = [n for n in [*cpu.packs, *step.weights, *step.buffers, *step.state]
+             if n in inputs and n not in members and inputs[n].dtype == dtype]
+    sizes = [math.prod(int(d) for d in inputs[n].shape) for n in slots]
+    carry = ir.Value(name=CARRY, type=ir.TensorType(dtype), shape=ir.Shape([sum(sizes)]))
+    tape = ir.tape.Tape()
+
+    def split(value: ir.Value, names: list[str], counts: list[int]) -> None:
+        parts = tape.op_multi_out("Split", [value, _const(tape, counts)], {"axis": 0}, num_outputs=len(names)) \
+            if len(names) > 1 else [value]
+        for name, part in zip(names, parts):
+            if any(m in inputs for m in cpu.packs.get(name, [])):  # NOTE: the weights the forward pass reads
+                split(part, cpu.packs[name], [math.prod(declared[m]) for m in cpu.packs[name]])
+            if name in inputs:
+                shaped = part if len(inputs[name].shape) == 1 else tape.op(
+                    "Reshape", [part, _const(tape, [int(d) for d in inputs[name].shape])])
+                ir.convenience.replace_all_uses_with(inputs[name], shaped)
+                g.inputs.remove(inputs.pop(name))
+                g.initializers.pop(name, None)
+
+    split(carry, slots, sizes)
+    g.inputs.append(carry)
+    g.insert_before(g[0], tape.nodes)
+    tape = ir.tape.Tape()
+    flat = [outputs[n + NEW] if len(outputs[n + NEW].shape or [0, 0]) == 1 else
+            tape.op("Reshape", [outputs[n + NEW], _const(tape, [-1])]) for n in slots]
+    new = tape.op("Concat", flat, {"axis": 0}) if len(flat) > 1 else tape.op("Identity", flat)
+    new.name, new.type, new.shape = CARRY + NEW, ir.TensorType(dtype), ir.Shape([sum(sizes)])
+    g.extend(tape.nodes)
+    for n in slots:
+        g.outputs.remove(outputs[n + NEW])
+    g.outputs.append(new)
+    layout, offset = [], 0
+    for n in slots:
+        for m in cpu.packs.get(n, [n]):
+            layout.append([m, offset, declared[m]])
+            offset += math.prod(declared[m])
+    b64 = lambda b: None if b is None else base64.b64encode(b).decode("ascii")  # noqa: E731
+    return {"version": 1, "model": b64(ir.to_proto(model).SerializeToString()), "carry": layout,
+            "side": b64(cpu.side), "hoisted": cpu.hoisted, "weight_kept": cpu.weight_kept,
+            "target_shape": None if cpu.target_shape is None else list(cpu.target_shape), "batch_size": batch_size}
+
+
+def for_js(step: TrainStep, batch_size: int = 32) -> TrainStep:
+    """A copy of ``step`` whose saved file also holds its epoch form (``EPOCH_KEY``), when it has one, and its
+    packed form (``PACKED_KEY``, ``pack_carry``) for batches of about ``batch_size`` rows.
 
     Raises ModelError for a step the JavaScript runner cannot drive (one compiled with ``external_grad=True``, or
     reading several data inputs).
@@ -44,7 +119,7 @@ def for_js(step: TrainStep) -> TrainStep:
     keep = [t for t in model.graph.initializer if t.name not in carried]
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep)
-    props = [p for p in model.metadata_props if p.key != EPOCH_KEY]
+    props = [p for p in model.metadata_props if p.key not in (EPOCH_KEY, PACKED_KEY)]
     del model.metadata_props[:]
     model.metadata_props.extend(props)
     batch_inputs = [step.inputs[0], *([step.target] if step.target else [])]
@@ -52,6 +127,7 @@ def for_js(step: TrainStep) -> TrainStep:
     shipped.model.CopyFrom(step.model)
     del shipped.model.metadata_props[:]
     shipped.model.metadata_props.extend(props)
+    shipped.model.metadata_props.add(key=PACKED_KEY, value=json.dumps(pack_carry(step, batch_size)))
     if step.target is None or not scannable(model):
         return shipped
     epoch = epoch_model(model, batch_inputs, carried, None, step.loss)
