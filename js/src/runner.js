@@ -126,17 +126,12 @@ export class StepRunner {
     Object.assign(this, { ort, _p: parsed, _options: options, _epochSession: null });
     const { protocol, fields } = parsed;
     const role = (r) => protocol.inputs.filter((i) => i.role === r).map((i) => i.name);
-    if (role("output_grad").length) {
-      throw new Error(`step: compiled with external_grad=True (input ${JSON.stringify(role("output_grad")[0])}); ` +
-        "the JS runner trains steps that compute their own loss");
-    }
     const data = role("data");
-    if (data.length !== 1) {
-      throw new Error(`step: reads ${data.length} data inputs ${JSON.stringify(data)}; the runner feeds one (X)`);
-    }
+    this.dataNames = data;
     this.weightNames = role("weight");
     this.stateNames = [...role("buffer"), ...role("state"), ...role("step")];
-    this._names = { x: data[0], y: role("target")[0] ?? null, w: role("sample_weight")[0] ?? null };
+    this._names = { x: data[0], y: role("target")[0] ?? null, w: role("sample_weight")[0] ?? null,
+      g: role("output_grad")[0] ?? null };
     this._loss = protocol.outputs.find((o) => o.role === "loss").name;
     this.targetKind = protocol.target_kind;
     this.batchSize = options.batchSize ?? 32;
@@ -256,13 +251,24 @@ export class StepRunner {
     }
   }
 
-  /** @private the feeds of one batch, checked. */
-  _batch(X, y, sampleWeight) {
-    const { x, y: yName, w } = this._names;
-    this._check(X, x, "X");
-    const n = X.dims[0];
-    if (!n) throw new Error(`X: expected at least one sample, got ${X.type}${shapeText(X.dims)}`);
-    const feeds = { [x]: X };
+  /** @private the feeds of one batch, checked: X is a tensor, or {name: tensor} for a step with several data
+   * inputs; `outputGrad` feeds a step compiled with external_grad=True. */
+  _batch(X, y, sampleWeight, outputGrad) {
+    const { y: yName, w, g } = this._names, names = this.dataNames;
+    const xs = names.length === 1 && !(X?.constructor === Object) ? { [names[0]]: X } : X;
+    if (xs?.constructor !== Object || names.some((n) => !(n in xs)) || Object.keys(xs).length !== names.length) {
+      throw new Error(`X: the step reads the data inputs ${JSON.stringify(names)}, expected {name: ort.Tensor} with ` +
+        `each of them, got ${xs?.constructor === Object ? JSON.stringify(Object.keys(xs)) : describe(X)}`);
+    }
+    const feeds = {};
+    let n;
+    for (const name of names) {
+      const label = names.length === 1 ? "X" : `X.${name}`;
+      this._check(xs[name], name, label, n);
+      n ??= xs[name].dims[0];
+      if (!n) throw new Error(`${label}: expected at least one sample, got ${xs[name].type}${shapeText(xs[name].dims)}`);
+      feeds[name] = xs[name];
+    }
     if (yName) {
       if (y === undefined || y === null) throw new Error(`y: the step's loss needs targets for ${JSON.stringify(yName)}, got ${y}`);
       if (this.targetKind === "index" && y instanceof this.ort.Tensor && y.type === "int32") {
@@ -270,6 +276,9 @@ export class StepRunner {
       }
       this._check(y, yName, "y", n);
       feeds[yName] = y;
+    } else if (y !== undefined && y !== null) {
+      throw new Error(`y: the step takes no targets (${g ? "it reads the output gradient: pass { outputGrad }" :
+        "its loss reads none"}), got ${describe(y)}`);
     }
     if (w) {
       if (sampleWeight === undefined || sampleWeight === null) sampleWeight = this._onesOf(n);
@@ -280,6 +289,14 @@ export class StepRunner {
       feeds[w] = sampleWeight;
     } else if (sampleWeight !== undefined && sampleWeight !== null) {
       throw new Error("sampleWeight: the step's loss takes no sample weights, got a tensor");
+    }
+    if ((g === null) !== (outputGrad === undefined || outputGrad === null)) {
+      throw new Error(`outputGrad: the step takes ${g ? JSON.stringify(g) : "no output gradient"} (compiled ` +
+        `${g ? "with" : "without"} external_grad=True), got ${describe(outputGrad)}`);
+    }
+    if (g) {
+      this._check(outputGrad, g, "outputGrad", n);
+      feeds[g] = outputGrad;
     }
     return feeds;
   }
@@ -314,13 +331,19 @@ export class StepRunner {
    * @param {object} X ort.Tensor, rows first
    * @param {object} [y] ort.Tensor of targets (int64 or int32 class indices for a classification loss)
    * @param {object} [sampleWeight] ort.Tensor [rows]
+   * @param {object} [options] {outputGrad}: the gradient on the output, for a step compiled with external_grad=True
+   *   (its loss is then the penalty alone), as Python's `Runner.step(X, output_grad=...)`
    * @returns {Promise<number>} the loss; a NaN or infinite loss throws and keeps the weights before the step
    */
-  async step(X, y, sampleWeight) {
-    const batch = this._batch(X, y, sampleWeight);
-    const feeds = this._packed ? await this._packedFeeds(batch, sampleWeight) : batch;
-    const fetches = [this._loss, ...Object.values(this._groups)];
-    const out = await this._run(this._session, { ...this._current, ...feeds }, fetches, batch);
+  async step(X, y, sampleWeight, { outputGrad } = {}) {
+    const batch = this._batch(X, y, sampleWeight, outputGrad);
+    const feeds = this._packed ? this._packedFeeds(batch, sampleWeight) : batch;
+    if (this._packed && this._names.w) {  // NOTE: a side run only for a new batch length or given sample weights
+      const n = batch[this._names.x].dims[0];
+      Object.assign(feeds, (!sampleWeight && this._hoisted.get(n)) || await this._hoist(batch, n, sampleWeight));
+    }
+    this._fetches ??= [this._loss, ...Object.values(this._groups)];
+    const out = await this._run(this._session, Object.assign(feeds, this._current), this._fetches, batch);
     const lossTensor = out[this._loss];
     const loss = Number((lossTensor.location && lossTensor.location !== "cpu" ? await lossTensor.getData() : lossTensor.data)[0]);
     if (!Number.isFinite(loss)) {
@@ -333,20 +356,22 @@ export class StepRunner {
     return loss;
   }
 
-  /** @private the packed model's feeds for `batch`: the target shaped like the prediction, and in place of the
-   * sample weights the values the side model computes from them (once per batch length when none are given). */
-  async _packedFeeds(batch, sampleWeight) {
-    const { x, y, w } = this._names, { target_shape: shape, hoisted, weight_kept: kept } = this._packed;
-    const n = batch[x].dims[0], feeds = { [x]: batch[x] };
-    if (y) feeds[y] = shape ? new this.ort.Tensor(batch[y].type, batch[y].data, [n, ...shape]) : batch[y];
-    if (!w) return feeds;
-    let values = sampleWeight ? null : this._hoisted.get(n);
-    if (!values) {
-      values = this._side ? await this._side.run({ [w]: batch[w] }, hoisted) : {};
-      if (kept) values[w] = batch[w];
-      if (!sampleWeight) this._hoisted.set(n, values);
-    }
-    return Object.assign(feeds, values);
+  /** @private the packed model's feeds for `batch`: the target shaped like the prediction, the sample weights
+   * left for `_hoist`. */
+  _packedFeeds(batch) {
+    const { x, y, w } = this._names, shape = this._packed.target_shape, feeds = { ...batch };
+    if (y && shape) feeds[y] = new this.ort.Tensor(batch[y].type, batch[y].data, [batch[x].dims[0], ...shape]);
+    if (w) delete feeds[w];
+    return feeds;
+  }
+
+  /** @private what the packed model reads in place of the sample weights: the values the side model computes from
+   * them (Python's `runner.cpu_model` hoists them), kept per batch length when none are given. */
+  async _hoist(batch, n, sampleWeight) {
+    const w = this._names.w, values = this._side ? await this._side.run({ [w]: batch[w] }, this._packed.hoisted) : {};
+    if (this._packed.weight_kept) values[w] = batch[w];
+    if (!sampleWeight) this._hoisted.set(n, values);
+    return values;
   }
 
   /** @private makes `next` current; tensors held on a device (not by JS) are released. */
@@ -369,17 +394,21 @@ export class StepRunner {
    * batches in one session run (an ONNX Scan), giving the losses of one step per batch.
    * @returns {Promise<Float64Array>}
    */
-  async epoch(X, y, { batchSize = this.batchSize, sampleWeight } = {}) {
-    const all = this._batch(X, y, sampleWeight);  // NOTE: the whole epoch is checked before any step runs
-    const n = X.dims[0];
+  async epoch(X, y, { batchSize = this.batchSize, sampleWeight, outputGrad } = {}) {
+    const all = this._batch(X, y, sampleWeight, outputGrad);  // NOTE: the whole epoch is checked before any step runs
+    const n = all[this._names.x].dims[0];
     if (!Number.isInteger(batchSize) || batchSize < 1) throw new Error(`batchSize: expected a positive integer, got ${batchSize}`);
     const full = Math.floor(n / batchSize);
     let losses = [];
-    if (this._p.epoch && full > 1 && !sampleWeight) losses = await this._scan(X, all[this._names.y], full, batchSize);
+    if (this._p.epoch && full > 1 && !sampleWeight && this.dataNames.length === 1 && this._names.y) {
+      losses = await this._scan(all[this._names.x], all[this._names.y], full, batchSize);
+    }
     for (let start = losses.length * batchSize; start < n; start += batchSize) {
       const end = Math.min(n, start + batchSize), part = (t) => (t ? this._rows(t, start, end) : t);
+      const xs = Object.fromEntries(this.dataNames.map((name) => [name, part(all[name])]));
       try {
-        losses.push(await this.step(part(X), part(all[this._names.y]), part(sampleWeight)));
+        losses.push(await this.step(xs, part(all[this._names.y]), part(sampleWeight),
+          { outputGrad: part(all[this._names.g]) }));
       } catch (err) {
         throw new Error(`batch ${losses.length + 1}: ${err.message}`);
       }

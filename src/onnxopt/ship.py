@@ -28,7 +28,6 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnxopt.errors import ModelError
 from onnxopt.passes.epoch import epoch_model, scannable
 from onnxopt.passes.update import PACK_WEIGHTS
 from onnxopt.runner import SMALL_STEP, cpu_model, step_work
@@ -104,14 +103,9 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict:
 
 def for_js(step: TrainStep, batch_size: int = 32) -> TrainStep:
     """A copy of ``step`` whose saved file also holds its epoch form (``EPOCH_KEY``), when it has one, and its
-    packed form (``PACKED_KEY``, ``pack_carry``) for batches of about ``batch_size`` rows.
-
-    Raises ModelError for a step the JavaScript runner cannot drive (one compiled with ``external_grad=True``, or
-    reading several data inputs).
+    packed form (``PACKED_KEY``, ``pack_carry``) for batches of about ``batch_size`` rows. Steps with several data
+    inputs or compiled with ``external_grad=True`` have no epoch form (the JS runner runs their epochs step by step).
     """
-    if step.output_grad is not None or len(step.inputs) != 1:
-        raise ModelError(f"step: the JavaScript runner feeds one data input and a target; this step reads inputs "
-                         f"{step.inputs} and output gradient {step.output_grad!r}")
     model = onnx.ModelProto()
     model.CopyFrom(step.model)
     carried = [*step.weights, *step.buffers, *step.state]
@@ -128,7 +122,7 @@ def for_js(step: TrainStep, batch_size: int = 32) -> TrainStep:
     del shipped.model.metadata_props[:]
     shipped.model.metadata_props.extend(props)
     shipped.model.metadata_props.add(key=PACKED_KEY, value=json.dumps(pack_carry(step, batch_size)))
-    if step.target is None or not scannable(model):
+    if step.target is None or len(step.inputs) != 1 or not scannable(model):
         return shipped
     epoch = epoch_model(model, batch_inputs, carried, None, step.loss)
     entry = {"version": 1, "model": base64.b64encode(epoch.SerializeToString()).decode("ascii"),
