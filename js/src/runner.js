@@ -149,7 +149,8 @@ export class StepRunner {
     this._current = {};
     const layout = this._packed?.carry ?? [];
     if (layout.length) {
-      const size = layout.reduce((n, [, offset, dims]) => Math.max(n, offset + sizeOf(dims)), 0);
+      const size = layout.reduce((n, [, offset, dims]) => Math.max(n, offset + sizeOf(dims)), 0) +
+        (this._packed.loss_at === null ? 0 : 1);
       const data = new (initial[layout[0][0]].data.constructor)(size);
       for (const [name, offset, dims] of layout) {
         data.set(initial[name].data, offset);
@@ -159,7 +160,10 @@ export class StepRunner {
       this._current[CARRY] = new this.ort.Tensor(this.dtype, data, [size]);
     }
     for (const name of parsed.carried.filter((n) => !(n in this._where))) {
-      this._groups[name] = this._packed ? name + NEW : protocol.outputs.find((o) => o.feeds === name).name;
+      // NOTE: a counted step counter (the packed form's "counted") is advanced here, not fetched
+      if (!(name === STEP && this._packed?.counted)) {
+        this._groups[name] = this._packed ? name + NEW : protocol.outputs.find((o) => o.feeds === name).name;
+      }
       this._where[name] = { group: name };
       this._current[name] = initial[name];
     }
@@ -342,16 +346,18 @@ export class StepRunner {
       const n = batch[this._names.x].dims[0];
       Object.assign(feeds, (!sampleWeight && this._hoisted.get(n)) || await this._hoist(batch, n, sampleWeight));
     }
-    this._fetches ??= [this._loss, ...Object.values(this._groups)];
+    const at = this._packed?.loss_at ?? null;
+    this._fetches ??= [...(at === null ? [this._loss] : []), ...Object.values(this._groups)];
     const out = await this._run(this._session, Object.assign(feeds, this._current), this._fetches, batch);
-    const lossTensor = out[this._loss];
-    const loss = Number((lossTensor.location && lossTensor.location !== "cpu" ? await lossTensor.getData() : lossTensor.data)[0]);
+    const lossTensor = out[at === null ? this._loss : CARRY + NEW];
+    const loss = Number((lossTensor.location && lossTensor.location !== "cpu" ? await lossTensor.getData() : lossTensor.data)[at ?? 0]);
     if (!Number.isFinite(loss)) {
       throw new Error(`loss became ${loss} at step ${this.stepCount + 1}; the weights were kept as they were ` +
         "before it (see getWeights()): lower the learning rate or check the data for extreme values");
     }
     const next = {};
     for (const [name, output] of Object.entries(this._groups)) next[name] = out[output];
+    if (this._packed?.counted) next[STEP] = new this.ort.Tensor("int64", BigInt64Array.of(this._current[STEP].data[0] + 1n), []);
     this._replace(next);
     return loss;
   }

@@ -31,7 +31,7 @@ import onnx_ir as ir
 from onnxopt.passes.epoch import epoch_model, scannable
 from onnxopt.passes.update import PACK_WEIGHTS
 from onnxopt.runner import SMALL_STEP, cpu_model, step_work
-from onnxopt.step import NEW, TrainStep
+from onnxopt.step import NEW, STEP, TrainStep
 
 __all__ = ["EPOCH_KEY", "PACKED_KEY", "for_js", "pack_carry"]
 
@@ -47,7 +47,7 @@ def _const(tape: ir.tape.Tape, values: list[int]) -> ir.Value:
 def pack_carry(step: TrainStep, batch_size: int = 32) -> dict:
     """``step`` as ``runner.cpu_model`` makes it for ``batch_size`` rows, its carried tensors of the weights' type
     in one input ``carry`` (split and reshaped in the graph) and one output ``carry.new`` (their new values,
-    concatenated in the same order). Returns the ``PACKED_KEY`` entry: the model (base64) and ``carry``, the
+    concatenated in the same order, then the loss). Returns the ``PACKED_KEY`` entry: the model (base64) and ``carry``, the
     logical tensors it holds as ``[name, offset, dims]`` (every weight, buffer and optimizer state of that type,
     packs expanded to their members), with ``cpu_model``'s side model, hoisted names and target shape."""
     work = step_work(step)
@@ -62,7 +62,11 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict:
     slots = [n for n in [*cpu.packs, *step.weights, *step.buffers, *step.state]
              if n in inputs and n not in members and inputs[n].dtype == dtype]
     sizes = [math.prod(int(d) for d in inputs[n].shape) for n in slots]
-    carry = ir.Value(name=CARRY, type=ir.TensorType(dtype), shape=ir.Shape([sum(sizes)]))
+    # NOTE: the loss rides at the end of carry.new (its slot in carry is unused), and the step counter's new value
+    # (steps done + 1) is left to the runner: a run then has one output
+    loss = outputs[step.loss] if outputs[step.loss].dtype == dtype else None
+    size = sum(sizes) + (loss is not None)
+    carry = ir.Value(name=CARRY, type=ir.TensorType(dtype), shape=ir.Shape([size]))
     tape = ir.tape.Tape()
 
     def split(value: ir.Value, names: list[str], counts: list[int]) -> None:
@@ -78,17 +82,19 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict:
                 g.inputs.remove(inputs.pop(name))
                 g.initializers.pop(name, None)
 
-    split(carry, slots, sizes)
+    split(carry, [*slots, None][:len(slots) + (loss is not None)], [*sizes, 1])
     g.inputs.append(carry)
     g.insert_before(g[0], tape.nodes)
     tape = ir.tape.Tape()
-    flat = [outputs[n + NEW] if len(outputs[n + NEW].shape or [0, 0]) == 1 else
-            tape.op("Reshape", [outputs[n + NEW], _const(tape, [-1])]) for n in slots]
+    ends = [outputs[n + NEW] for n in slots] + ([loss] if loss is not None else [])
+    flat = [v if len(v.shape or [0, 0]) == 1 else tape.op("Reshape", [v, _const(tape, [-1])]) for v in ends]
     new = tape.op("Concat", flat, {"axis": 0}) if len(flat) > 1 else tape.op("Identity", flat)
-    new.name, new.type, new.shape = CARRY + NEW, ir.TensorType(dtype), ir.Shape([sum(sizes)])
+    new.name, new.type, new.shape = CARRY + NEW, ir.TensorType(dtype), ir.Shape([size])
     g.extend(tape.nodes)
-    for n in slots:
-        g.outputs.remove(outputs[n + NEW])
+    counted = STEP in inputs and STEP + NEW in outputs
+    for v in [*ends, *([outputs[STEP + NEW]] if counted else [])]:
+        if v in g.outputs:
+            g.outputs.remove(v)
     g.outputs.append(new)
     layout, offset = [], 0
     for n in slots:
@@ -98,7 +104,8 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict:
     b64 = lambda b: None if b is None else base64.b64encode(b).decode("ascii")  # noqa: E731
     return {"version": 1, "model": b64(ir.to_proto(model).SerializeToString()), "carry": layout,
             "side": b64(cpu.side), "hoisted": cpu.hoisted, "weight_kept": cpu.weight_kept,
-            "target_shape": None if cpu.target_shape is None else list(cpu.target_shape), "batch_size": batch_size}
+            "target_shape": None if cpu.target_shape is None else list(cpu.target_shape), "batch_size": batch_size,
+            "loss_at": sum(sizes) if loss is not None else None, "counted": counted}
 
 
 def for_js(step: TrainStep, batch_size: int = 32) -> TrainStep:
