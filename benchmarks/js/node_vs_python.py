@@ -75,7 +75,7 @@ def main():
                     time.sleep(0.5)
             med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
             # NOTE: ratios are medians of each turn's ratio (turns are paired), times medians over turns
-            ratio = lambda xs, k: statistics.median(a[k] / b[k] for a, b in zip(xs, py))  # noqa: E731
+            ratio = lambda xs, k, py=py: statistics.median(a[k] / b[k] for a, b in zip(xs, py))  # noqa: E731
             rows.append((w.name, w.batch, med(py, 0), med(node, 0), ratio(node, 0), med(unpacked, 0),
                          ratio(unpacked, 0), med(py, 1), med(node, 1), ratio(node, 1)))
     print("| workload | batch | Python step() ms | Node step() ms | ratio | Node unpacked step() ms | ratio | "

@@ -101,7 +101,10 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict:
         for m in cpu.packs.get(n, [n]):
             layout.append([m, offset, declared[m]])
             offset += math.prod(declared[m])
-    b64 = lambda b: None if b is None else base64.b64encode(b).decode("ascii")  # noqa: E731
+
+    def b64(data: bytes | None) -> str | None:
+        return None if data is None else base64.b64encode(data).decode("ascii")
+
     return {"version": 1, "model": b64(ir.to_proto(model).SerializeToString()), "carry": layout,
             "side": b64(cpu.side), "hoisted": cpu.hoisted, "weight_kept": cpu.weight_kept,
             "target_shape": None if cpu.target_shape is None else list(cpu.target_shape), "batch_size": batch_size,
