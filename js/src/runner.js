@@ -244,14 +244,15 @@ export class StepRunner {
     const info = this._p.declared.get(name);
     const type = info && pb.DTYPES[info.elemType]?.[0];
     const dims = info?.dims;
-    const expected = `${type ?? "any type"}${dims ? shapeText(dims) : ""}`;
-    const got = `${value.type}${shapeText(value.dims)}`;
-    if (type && value.type !== type) throw new Error(`${label}: input ${JSON.stringify(name)} expected ${expected}, got ${got}`);
+    const got = () => `${value.type}${shapeText(value.dims)}`;  // NOTE: messages are built only on an error
+    const fail = () => new Error(`${label}: input ${JSON.stringify(name)} expected ` +
+      `${type ?? "any type"}${dims ? shapeText(dims) : ""}, got ${got()}`);
+    if (type && value.type !== type) throw fail();
     if (rows !== undefined && value.dims[0] !== rows) {
-      throw new Error(`${label}: input ${JSON.stringify(name)} expected ${rows} rows (one per sample of X), got ${got}`);
+      throw new Error(`${label}: input ${JSON.stringify(name)} expected ${rows} rows (one per sample of X), got ${got()}`);
     }
     if (dims && (dims.length !== value.dims.length || dims.some((d, i) => typeof d === "number" && d !== value.dims[i]))) {
-      throw new Error(`${label}: input ${JSON.stringify(name)} expected ${expected}, got ${got}`);
+      throw fail();
     }
   }
 
@@ -259,19 +260,19 @@ export class StepRunner {
    * inputs; `outputGrad` feeds a step compiled with external_grad=True. */
   _batch(X, y, sampleWeight, outputGrad) {
     const { y: yName, w, g } = this._names, names = this.dataNames;
-    const xs = names.length === 1 && !(X?.constructor === Object) ? { [names[0]]: X } : X;
-    if (xs?.constructor !== Object || names.some((n) => !(n in xs)) || Object.keys(xs).length !== names.length) {
+    const single = names.length === 1 && X?.constructor !== Object;
+    if (!single && (X?.constructor !== Object || names.some((k) => !(k in X)) || Object.keys(X).length !== names.length)) {
       throw new Error(`X: the step reads the data inputs ${JSON.stringify(names)}, expected {name: ort.Tensor} with ` +
-        `each of them, got ${xs?.constructor === Object ? JSON.stringify(Object.keys(xs)) : describe(X)}`);
+        `each of them, got ${X?.constructor === Object ? JSON.stringify(Object.keys(X)) : describe(X)}`);
     }
     const feeds = {};
     let n;
     for (const name of names) {
-      const label = names.length === 1 ? "X" : `X.${name}`;
-      this._check(xs[name], name, label, n);
-      n ??= xs[name].dims[0];
-      if (!n) throw new Error(`${label}: expected at least one sample, got ${xs[name].type}${shapeText(xs[name].dims)}`);
-      feeds[name] = xs[name];
+      const label = names.length === 1 ? "X" : `X.${name}`, value = single ? X : X[name];
+      this._check(value, name, label, n);
+      n ??= value.dims[0];
+      if (!n) throw new Error(`${label}: expected at least one sample, got ${value.type}${shapeText(value.dims)}`);
+      feeds[name] = value;
     }
     if (yName) {
       if (y === undefined || y === null) throw new Error(`y: the step's loss needs targets for ${JSON.stringify(yName)}, got ${y}`);
@@ -284,8 +285,9 @@ export class StepRunner {
       throw new Error(`y: the step takes no targets (${g ? "it reads the output gradient: pass { outputGrad }" :
         "its loss reads none"}), got ${describe(y)}`);
     }
-    if (w) {
-      if (sampleWeight === undefined || sampleWeight === null) sampleWeight = this._onesOf(n);
+    if (w && (sampleWeight === undefined || sampleWeight === null)) {
+      feeds[w] = this._onesOf(n);  // NOTE: made here, of the declared type
+    } else if (w) {
       this._check(sampleWeight, w, "sampleWeight", n);
       if (sampleWeight.dims.length !== 1) {
         throw new Error(`sampleWeight: expected shape [${n}] (one weight per sample), got ${shapeText(sampleWeight.dims)}`);
@@ -382,10 +384,11 @@ export class StepRunner {
 
   /** @private makes `next` current; tensors held on a device (not by JS) are released. */
   _replace(next) {
-    for (const [name, t] of Object.entries(this._current)) {
+    for (const name in next) {
+      const t = this._current[name];
       if (t.location && t.location !== "cpu" && next[name] !== t) t.dispose();
+      this._current[name] = next[name];
     }
-    this._current = { ...this._current, ...next };
   }
 
   /** @private a view of rows [a, b) of `t`, no copy. */
