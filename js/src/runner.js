@@ -467,8 +467,8 @@ export class StepRunner {
   _set(values, names, what) {
     const next = {};
     for (const [name, value] of Object.entries(values)) {
-      const ref = names.includes(name) ? this._tensor(name) : null;
       if (!names.includes(name)) throw new Error(`${what}: ${JSON.stringify(name)} is not one of ${JSON.stringify(names)}`);
+      const ref = this._tensor(name);
       const isTensor = value instanceof this.ort.Tensor, data = isTensor ? value.data : value;
       const got = isTensor ? `${value.type}${shapeText(value.dims)}` : `a ${value?.constructor?.name} of ${data?.length} values`;
       const ok = data?.constructor === ref.data.constructor && data.length === ref.data.length &&
