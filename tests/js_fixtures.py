@@ -100,8 +100,8 @@ def write_more(folder: Path) -> list[dict]:
     for_js(step, batch_size=BATCH).save(folder / "two.onnx")
     batches = [{"a": A[i:i + BATCH], "b": B[i:i + BATCH], step.target: y[i:i + BATCH],
                 step.sample_weight: np.ones(len(A[i:i + BATCH]), np.float32)} for i in range(0, len(A), BATCH)]
-    two = {"name": "two_inputs", "step": "two.onnx", "X": {"a": _write(folder, "two.a", A), "b": _write(folder, "two.b", B)},
-           "y": _write(folder, "two.y", y), "batch": BATCH, "steps": _session_steps(step, batches)}
+    two = {"name": "two_inputs", "step": "two.onnx", "y": _write(folder, "two.y", y), "batch": BATCH,
+           "X": {"a": _write(folder, "two.a", A), "b": _write(folder, "two.b", B)}, "steps": _session_steps(step, batches)}
     X, G = rng.standard_normal((20, 4)).astype(np.float32), rng.standard_normal((20, 3)).astype(np.float32)
     step = onnxopt.compile_train_step(examples.mlp([4, 8, 3]), loss=None, external_grad=True, update="momentum",
                                       penalty=dsl.penalties.l2(0.1), learning_rate=0.05, portable=True)

@@ -194,7 +194,8 @@ def test_packed_form_gives_the_runners_losses_and_weights(update):
     runner, count = onnxopt.Runner(step, batch_size=8), 0
     for i in range(0, len(X), 8):
         xb, yb = X[i:i + 8], y[i:i + 8]
-        hoisted = dict(zip(entry["hoisted"], side.run(entry["hoisted"], {step.sample_weight: np.ones(len(xb), np.float32)})))
+        ones = {step.sample_weight: np.ones(len(xb), np.float32)}
+        hoisted = dict(zip(entry["hoisted"], side.run(entry["hoisted"], ones)))
         feeds = {step.inputs[0]: xb, step.target: yb.reshape(len(xb), *entry["target_shape"]), "carry": carry,
                  "optim.step": np.array(count), **hoisted}
         carry, count = sess.run(None, feeds)[0], count + 1

@@ -13,8 +13,9 @@ the epoch one step per batch.
 ``for_js`` also stores, under ``PACKED_KEY``, the step as the Python ``Runner`` runs it on CPU
 (``runner.cpu_model``: multi-tensor packs, the loss's per-batch values hoisted into a side model, the target
 shaped like the prediction) with every carried tensor of the weights' type in ONE flat input ``carry`` and one
-output ``carry.new`` (``pack_carry``). onnxruntime-node converts each input and output of a run between JS and
-native (~2-5 µs each) and copies every output into a new buffer: W1-adam's 22 inputs and 20 outputs become 5 and 3.
+output ``carry.new`` that also holds the loss (``pack_carry``). onnxruntime-node converts each input and output of
+a run between JS and native (~2-5 µs each) and copies every output into a new buffer: W1-adam's 22 inputs and 20
+outputs become 5 and 1.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def _const(tape: ir.tape.Tape, values: list[int]) -> ir.Value:
 def pack_carry(step: TrainStep, batch_size: int = 32) -> dict:
     """``step`` as ``runner.cpu_model`` makes it for ``batch_size`` rows, its carried tensors of the weights' type
     in one input ``carry`` (split and reshaped in the graph) and one output ``carry.new`` (their new values,
-    concatenated in the same order, then the loss). Returns the ``PACKED_KEY`` entry: the model (base64) and ``carry``, the
-    logical tensors it holds as ``[name, offset, dims]`` (every weight, buffer and optimizer state of that type,
-    packs expanded to their members), with ``cpu_model``'s side model, hoisted names and target shape."""
+    concatenated in the same order, then the loss at ``loss_at``). Returns the ``PACKED_KEY`` entry: the model
+    (base64); ``carry``, the logical tensors it holds as ``[name, offset, dims]`` (every weight, buffer and optimizer
+    state of that type, packs expanded to their members); ``cpu_model``'s side model, hoisted names and target shape;
+    ``counted``: whether the runner advances the step counter (its new value is no output)."""
     work = step_work(step)
     cpu = cpu_model(step, batch_size, 1 if work * batch_size < SMALL_STEP else 2)
     model = ir.from_proto(cpu.model)
