@@ -45,13 +45,14 @@ def _const(tape: ir.tape.Tape, values: list[int]) -> ir.Value:
     return tape.op("Constant", [], {"value": ir.tensor(np.array(values, np.int64))})
 
 
-def pack_carry(step: TrainStep, batch_size: int = 32) -> dict:
+def pack_carry(step: TrainStep, batch_size: int = 32) -> dict | None:
     """``step`` as ``runner.cpu_model`` makes it for ``batch_size`` rows, its carried tensors of the weights' type
     in one input ``carry`` (split and reshaped in the graph) and one output ``carry.new`` (their new values,
     concatenated in the same order, then the loss at ``loss_at``). Returns the ``PACKED_KEY`` entry: the model
     (base64); ``carry``, the logical tensors it holds as ``[name, offset, dims]`` (every weight, buffer and optimizer
     state of that type, packs expanded to their members); ``cpu_model``'s side model, hoisted names and target shape;
-    ``counted``: whether the runner advances the step counter (its new value is no output)."""
+    ``counted``: whether the runner advances the step counter (its new value is no output). None for a step whose
+    carried tensors are not all of static shape (the runner then runs the step as saved)."""
     work = step_work(step)
     cpu = cpu_model(step, batch_size, 1 if work * batch_size < SMALL_STEP else 2)
     model = ir.from_proto(cpu.model)
@@ -63,6 +64,10 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict:
     dtype = inputs[step.weights[0]].dtype if step.weights[0] in inputs else inputs[PACK_WEIGHTS].dtype
     slots = [n for n in [*cpu.packs, *step.weights, *step.buffers, *step.state]
              if n in inputs and n not in members and inputs[n].dtype == dtype]
+    logical = [m for n in slots for m in cpu.packs.get(n, [n])]
+    if not slots or any(m not in declared for m in logical) or any(
+            inputs[n].shape is None or not all(isinstance(d, int) for d in inputs[n].shape) for n in slots):
+        return None
     sizes = [math.prod(int(d) for d in inputs[n].shape) for n in slots]
     # NOTE: the loss rides at the end of carry.new (its slot in carry is unused), and the step counter's new value
     # (steps done + 1) is left to the runner: a run then has one output
@@ -99,10 +104,9 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict:
             g.outputs.remove(v)
     g.outputs.append(new)
     layout, offset = [], 0
-    for n in slots:
-        for m in cpu.packs.get(n, [n]):
-            layout.append([m, offset, declared[m]])
-            offset += math.prod(declared[m])
+    for m in logical:
+        layout.append([m, offset, declared[m]])
+        offset += math.prod(declared[m])
 
     def b64(data: bytes | None) -> str | None:
         return None if data is None else base64.b64encode(data).decode("ascii")
@@ -133,7 +137,9 @@ def for_js(step: TrainStep, batch_size: int = 32) -> TrainStep:
     shipped.model.CopyFrom(step.model)
     del shipped.model.metadata_props[:]
     shipped.model.metadata_props.extend(props)
-    shipped.model.metadata_props.add(key=PACKED_KEY, value=json.dumps(pack_carry(step, batch_size)))
+    packed = pack_carry(step, batch_size)
+    if packed is not None:
+        shipped.model.metadata_props.add(key=PACKED_KEY, value=json.dumps(packed))
     if step.target is None or len(step.inputs) != 1 or not scannable(model):
         return shipped
     epoch = epoch_model(model, batch_inputs, carried, None, step.loss)
