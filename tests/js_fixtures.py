@@ -12,7 +12,7 @@ import onnx
 
 import onnxopt
 from onnxopt import examples
-from onnxopt.ship import for_js
+from onnxopt.ship import PACKED_KEY, for_js
 
 BATCH = 8
 
@@ -45,6 +45,73 @@ def _runs(path: Path, X, y, w=None) -> dict:
     if w is None:
         out["epoch"] = onnxopt.Runner(path, batch_size=BATCH).epoch(X, y).tolist()
     return out
+
+
+def _two_inputs() -> onnx.ModelProto:
+    """A model with two data inputs (torch.onnx.export): Linear(concat(a, b)) on (N, 2) and (N, 3)."""
+    import torch
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(5, 3)
+
+        def forward(self, a, b):
+            return self.fc(torch.relu(torch.cat([a, b], 1)))
+
+    torch.manual_seed(0)
+    buffer = io.BytesIO()
+    torch.onnx.export(Two(), (torch.zeros(2, 2), torch.zeros(2, 3)), buffer, dynamo=False, opset_version=18,
+                      input_names=["a", "b"], output_names=["y"], dynamic_axes={"a": {0: "N"}, "b": {0: "N"}})
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def _session_steps(step, batches: list[dict]) -> list[float]:
+    """The losses of ``step.model`` run in onnxruntime one batch after another, each carried output fed to the next
+    run (what a Runner does; Python's Runner refuses steps with several data inputs)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3  # NOTE: the weights are overridable initializers by design
+    sess = ort.InferenceSession(step.model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    carried = {**step.initial_weights(), **step.initial_buffers()}
+    for i in sess.get_inputs():
+        if i.name in step.state:
+            carried[i.name] = np.zeros((), np.int64) if i.name == "optim.step" else \
+                np.zeros_like(carried[i.name.rsplit(".", 1)[0]])
+    names = [o.name for o in sess.get_outputs()]
+    losses = []
+    for feeds in batches:
+        out = dict(zip(names, sess.run(names, {**feeds, **carried})))
+        losses.append(float(out[step.loss]))
+        carried = {name: out[new] for name, new in step.carry.items()}
+    return losses
+
+
+def write_more(folder: Path) -> list[dict]:
+    """Steps the Python Runner's fixed X/y cases do not cover: two data inputs (against ``_session_steps``) and
+    external_grad=True (against ``Runner.step(X, output_grad=G)``)."""
+    from onnxopt import dsl
+
+    rng = np.random.default_rng(11)
+    A, B = rng.standard_normal((20, 2)).astype(np.float32), rng.standard_normal((20, 3)).astype(np.float32)
+    y = rng.standard_normal((20, 3)).astype(np.float32)
+    step = onnxopt.compile_train_step(_two_inputs(), loss="square", update="adam", learning_rate=0.05, portable=True)
+    for_js(step, batch_size=BATCH).save(folder / "two.onnx")
+    batches = [{"a": A[i:i + BATCH], "b": B[i:i + BATCH], step.target: y[i:i + BATCH],
+                step.sample_weight: np.ones(len(A[i:i + BATCH]), np.float32)} for i in range(0, len(A), BATCH)]
+    two = {"name": "two_inputs", "step": "two.onnx", "y": _write(folder, "two.y", y), "batch": BATCH,
+           "X": {"a": _write(folder, "two.a", A), "b": _write(folder, "two.b", B)}, "steps": _session_steps(step, batches)}
+    X, G = rng.standard_normal((20, 4)).astype(np.float32), rng.standard_normal((20, 3)).astype(np.float32)
+    step = onnxopt.compile_train_step(examples.mlp([4, 8, 3]), loss=None, external_grad=True, update="momentum",
+                                      penalty=dsl.penalties.l2(0.1), learning_rate=0.05, portable=True)
+    for_js(step, batch_size=BATCH).save(folder / "grad.onnx")
+    runner = onnxopt.Runner(folder / "grad.onnx", batch_size=BATCH)
+    losses = [runner.step(X[i:i + BATCH], output_grad=G[i:i + BATCH]) for i in range(0, len(X), BATCH)]
+    grad = {"name": "external_grad", "step": "grad.onnx", "X": _write(folder, "grad.X", X),
+            "output_grad": _write(folder, "grad.G", G), "batch": BATCH, "steps": losses,
+            "weights_after": {k: v.tolist() for k, v in runner.get_weights().items()}}
+    return [two, grad]
 
 
 def write_fixtures(folder: Path, cnn: bool = True) -> dict:
@@ -89,9 +156,12 @@ def write_fixtures(folder: Path, cnn: bool = True) -> dict:
     sign.op_type, sign.domain = "ReluGrad", "com.microsoft"
     sign.input.append(sign.input[0])
     bad.opset_import.add(domain="com.microsoft", version=1)
+    kept = [p for p in bad.metadata_props if p.key != PACKED_KEY]  # NOTE: the runner would load its packed form
+    del bad.metadata_props[:]
+    bad.metadata_props.extend(kept)
     onnx.save(bad, folder / "no_kernel.onnx")
     manifest = {"cases": cases, "inference": "inference.onnx", "no_kernel": "no_kernel.onnx",
-                "no_kernel_node": sign.name}
+                "no_kernel_node": sign.name, "more": write_more(folder) if cnn else []}
     (folder / "cases.json").write_text(json.dumps(manifest))
     return manifest
 

@@ -4,7 +4,6 @@ Runner's losses; what JS writes back (checkpoints, exported models) is read here
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -149,7 +148,6 @@ def test_for_js_epoch_model_gives_the_runners_losses(tmp_path):
     tensors fed as inputs; the file still loads in the Runner."""
     import base64
 
-    from onnxopt.errors import ModelError
     from onnxopt.examples import mlp
     from onnxopt.ship import EPOCH_KEY, for_js
 
@@ -169,8 +167,43 @@ def test_for_js_epoch_model_gives_the_runners_losses(tmp_path):
     losses = epoch.run(["epoch.losses"], {k: v for k, v in feeds.items() if k in names})[0]
     expected = onnxopt.Runner(tmp_path / "step.onnx", batch_size=8).epoch(X, y)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
-    with pytest.raises(ModelError, match="JavaScript runner feeds one data input"):
-        for_js(dataclasses.replace(step, inputs=["X", "Z"]))
+
+
+@pytest.mark.parametrize("update", ["sgd", "adam"])
+def test_packed_form_gives_the_runners_losses_and_weights(update):
+    """ship.pack_carry, run in onnxruntime (Python) as the JS runner runs it: one ``carry`` in, ``carry.new`` out
+    (its last element the loss), the step counter advanced by the caller, the hoisted sample-weight values from the
+    side model; losses and weights (read through the layout) against the Runner's, on batches of two lengths."""
+    import base64
+
+    from onnxopt.examples import mlp
+    from onnxopt.ship import pack_carry
+
+    step = onnxopt.compile_train_step(mlp([4, 8, 3]), loss="square", update=update, learning_rate=0.05, portable=True)
+    entry = pack_carry(step, batch_size=8)
+    sess = ort.InferenceSession(base64.b64decode(entry["model"]))
+    side = ort.InferenceSession(base64.b64decode(entry["side"]))
+    assert [o.name for o in sess.get_outputs()] == ["carry.new"] and entry["counted"]
+    initial = step.initial_weights()
+    carry = np.zeros(entry["loss_at"] + 1, np.float32)
+    for name, offset, dims in entry["carry"]:  # NOTE: optimizer state starts at zero
+        if name in initial:
+            carry[offset:offset + int(np.prod(dims))] = initial[name].ravel()
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((20, 4)).astype(np.float32), rng.standard_normal((20, 3)).astype(np.float32)
+    runner, count = onnxopt.Runner(step, batch_size=8), 0
+    for i in range(0, len(X), 8):
+        xb, yb = X[i:i + 8], y[i:i + 8]
+        ones = {step.sample_weight: np.ones(len(xb), np.float32)}
+        hoisted = dict(zip(entry["hoisted"], side.run(entry["hoisted"], ones)))
+        feeds = {step.inputs[0]: xb, step.target: yb.reshape(len(xb), *entry["target_shape"]), "carry": carry,
+                 "optim.step": np.array(count), **hoisted}
+        carry, count = sess.run(None, feeds)[0], count + 1
+        np.testing.assert_allclose(carry[entry["loss_at"]], runner.step(xb, yb), rtol=1e-5)
+    for name, offset, dims in entry["carry"]:
+        if name in step.weights:
+            np.testing.assert_allclose(carry[offset:offset + int(np.prod(dims))].reshape(dims),
+                                       runner.get_weights()[name], rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 def test_for_js_leaves_out_the_epoch_form_of_a_random_step(tmp_path):

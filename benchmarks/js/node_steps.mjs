@@ -1,6 +1,6 @@
 // Times onnxopt's StepRunner in Node on one step file: ms per step for `step()` over the batches of an epoch and
 // for `epoch()` (one Scan run for the full batches). Called by node_vs_python.py, which alternates it with the
-// Python Runner. Args: STEP X.bin Y.bin XDIMS(comma) YTYPE BATCH EPOCHS
+// Python Runner. Args: STEP X.bin Y.bin XDIMS(comma) YTYPE BATCH EPOCHS [unpacked: the step as saved, not its packed form]
 import { readFileSync } from "node:fs";
 import { createRequire } from "node:module";
 import { pathToFileURL } from "node:url";
@@ -10,7 +10,7 @@ import { StepRunner } from "../../js/src/index.js";
 const ort = await import(pathToFileURL(createRequire(new URL("../../js/package.json", import.meta.url)).resolve("onnxruntime-node")));
 
 ort.env.logLevel = "error";
-const [step, xFile, yFile, xDims, yType, batchText, epochsText] = process.argv.slice(2);
+const [step, xFile, yFile, xDims, yType, batchText, epochsText, form] = process.argv.slice(2);
 const read = (p) => { const b = readFileSync(p); return b.buffer.slice(b.byteOffset, b.byteOffset + b.byteLength); };
 const dims = xDims.split(",").map(Number), batch = Number(batchText), epochs = Number(epochsText), n = dims[0];
 const X = new ort.Tensor("float32", new Float32Array(read(xFile)), dims);
@@ -23,7 +23,7 @@ for (let i = 0; i < n; i += batch) {
   xs.push(new ort.Tensor("float32", X.data.subarray(i * row, end * row), [end - i, ...dims.slice(1)]));
   ys.push(new ort.Tensor(yType, yData.subarray(i, end), [end - i]));
 }
-const runner = await StepRunner.create(ort, step, { batchSize: batch });
+const runner = await StepRunner.create(ort, step, { batchSize: batch, packed: form !== "unpacked" });
 for (let i = 0; i < xs.length; i++) await runner.step(xs[i], ys[i]);  // NOTE: warm-up epoch
 await runner.epoch(X, y, { batchSize: batch });
 await new Promise((r) => setTimeout(r, 200));  // NOTE: ORT's threads spin ~35 ms after a run

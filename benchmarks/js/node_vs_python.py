@@ -2,8 +2,9 @@
 
 Both train the same step file (``onnxopt.compile_train_step(..., portable=True)`` then ``ship.for_js``) on the
 workload's data: ``step()`` over the batches of an epoch, and ``epoch()`` (the Scan form where the Runner uses it).
-Turns alternate (Python block, pause, Node block, pause); the table gives the median over turns of ms per step
-and the ratio Node / Python. Needs node and js/node_modules (cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci).
+Turns alternate (Python block, pause, Node block, pause, Node on the unpacked step, pause); the table gives the
+median over turns of ms per step and the ratio Node / Python; "unpacked" is the StepRunner on the step as saved
+(``packed: false``: one input and output per carried tensor, the model before ``runner.cpu_model``). Needs node and js/node_modules (cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci).
 
     python benchmarks/js/node_vs_python.py [--turns 5] [--workloads W1-sgd W1-adam W3]
 """
@@ -56,27 +57,33 @@ def main():
             step = onnxopt.compile_train_step(w.model(), loss=w.loss, update=w.update, learning_rate=w.lr,
                                               portable=True)
             path = Path(tmp) / f"{w.name}.onnx"
-            for_js(step).save(path)
+            for_js(step, batch_size=w.batch).save(path)
             X.tofile(Path(tmp) / "X.bin")
             y.tofile(Path(tmp) / "y.bin")
             epochs = max(1, w.epochs // 2)
-            py, node = [], []
+            py, node, unpacked = [], [], []
             for _ in range(args.turns):
                 py.append(python_block(path, X, y, w.batch, epochs))
                 time.sleep(0.5)
-                out = subprocess.run(["node", "../benchmarks/js/node_steps.mjs", str(path), str(Path(tmp) / "X.bin"),
-                                      str(Path(tmp) / "y.bin"), ",".join(map(str, X.shape)), y.dtype.name,
-                                      str(w.batch), str(epochs)], cwd=JS, capture_output=True, text=True, check=True)
-                r = json.loads(out.stdout.strip().splitlines()[-1])
-                node.append((r["step_ms"], r["epoch_ms"]))
-                time.sleep(0.5)
+                for form, times in (("packed", node), ("unpacked", unpacked)):
+                    out = subprocess.run(["node", "../benchmarks/js/node_steps.mjs", str(path), str(Path(tmp) / "X.bin"),
+                                          str(Path(tmp) / "y.bin"), ",".join(map(str, X.shape)), y.dtype.name,
+                                          str(w.batch), str(epochs), form], cwd=JS, capture_output=True, text=True,
+                                         check=True)
+                    r = json.loads(out.stdout.strip().splitlines()[-1])
+                    times.append((r["step_ms"], r["epoch_ms"]))
+                    time.sleep(0.5)
             med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
-            rows.append((w.name, w.batch, med(py, 0), med(node, 0), med(py, 1), med(node, 1)))
-    print("| workload | batch | Python step() ms | Node step() ms | ratio | Python epoch() ms/step | "
-          "Node epoch() ms/step | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, batch, ps, ns, pe, ne in rows:
-        print(f"| {name} | {batch} | {ps:.4f} | {ns:.4f} | {ns / ps:.2f} | {pe:.4f} | {ne:.4f} | {ne / pe:.2f} |")
+            # NOTE: ratios are medians of each turn's ratio (turns are paired), times medians over turns
+            ratio = lambda xs, k, py=py: statistics.median(a[k] / b[k] for a, b in zip(xs, py))  # noqa: E731
+            rows.append((w.name, w.batch, med(py, 0), med(node, 0), ratio(node, 0), med(unpacked, 0),
+                         ratio(unpacked, 0), med(py, 1), med(node, 1), ratio(node, 1)))
+    print("| workload | batch | Python step() ms | Node step() ms | ratio | Node unpacked step() ms | ratio | "
+          "Python epoch() ms/step | Node epoch() ms/step | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, batch, ps, ns, nr, us, ur, pe, ne, er in rows:
+        print(f"| {name} | {batch} | {ps:.4f} | {ns:.4f} | {nr:.2f} | {us:.4f} | {ur:.2f} | {pe:.4f} | {ne:.4f} | "
+              f"{er:.2f} |")
 
 
 if __name__ == "__main__":

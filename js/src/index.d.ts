@@ -18,12 +18,20 @@ export interface StepRunnerOptions {
   externalData?: Record<string, Uint8Array | string | URL>;
   /** The usual batch length (epoch's default; picks one thread for small steps). Default 32. */
   batchSize?: number;
+  /** false: run the step as saved instead of its packed form (ship.for_js: one input and one output for all the
+   * weights and state); a session told to keep outputs on a device (preferredOutputLocation) always does. */
+  packed?: boolean;
 }
+
+/** A batch's data: one tensor, or {name: tensor} for a step with several data inputs (`dataNames`). */
+export type Features = Tensor | Record<string, Tensor>;
 
 export class StepRunner {
   /** Loads a step written by `TrainStep.save` / `onnxopt compile` into a session of `ort`. */
   static create(ort: OrtBinding, step: StepSource, options?: StepRunnerOptions): Promise<StepRunner>;
   readonly weightNames: string[];
+  /** The step's data inputs, in order: X's name, or the keys X must have when there are several. */
+  readonly dataNames: string[];
   /** Running statistics, optimizer state and the step counter "optim.step". */
   readonly stateNames: string[];
   /** "float" (targets like the prediction) or "index" (class indices, int64 or int32). */
@@ -32,9 +40,10 @@ export class StepRunner {
   /** Steps completed so far. */
   readonly stepCount: number;
   /** One step on a batch; resolves to the loss. A NaN or infinite loss rejects and keeps the weights. */
-  step(X: Tensor, y?: Tensor, sampleWeight?: Tensor): Promise<number>;
+  /** `outputGrad`: the gradient on the output of a step compiled with external_grad=True (then y is null). */
+  step(X: Features, y?: Tensor | null, sampleWeight?: Tensor | null, options?: { outputGrad?: Tensor }): Promise<number>;
   /** One step per batch of `batchSize` rows (one Scan run for steps compiled with --js); resolves to the losses. */
-  epoch(X: Tensor, y?: Tensor, options?: { batchSize?: number; sampleWeight?: Tensor }): Promise<Float64Array>;
+  epoch(X: Features, y?: Tensor | null, options?: { batchSize?: number; sampleWeight?: Tensor; outputGrad?: Tensor }): Promise<Float64Array>;
   getWeights(): Record<string, Tensor>;
   setWeights(values: Record<string, Tensor | Tensor.DataType>): void;
   getState(): Record<string, Tensor>;

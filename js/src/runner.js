@@ -5,14 +5,18 @@
 // initializer, so the model given to the session has the carried tensors (weights, optimizer state, running
 // statistics, the step counter) as plain graph inputs; their initial values come from the file's initializers.
 // Between steps the output tensors of one run are the inputs of the next: nothing is copied through JS arrays.
+// A step saved by `ship.for_js` also holds its packed form ("onnxopt.packed"): the model Python's Runner runs on CPU
+// with every carried tensor of the weights' type in one flat input "carry" and one output "carry.new". onnxruntime's
+// JS bindings convert each input and output of a run (and onnxruntime-node copies each output into a new buffer), so
+// W1-adam's 22 inputs and 20 outputs become 5 and 3; the weights and state are views of the carry.
 
 import { readCheckpoint, writeCheckpoint } from "./checkpoint.js";
 import * as pb from "./proto.js";
 import { base64, describe, readBeside, readSource } from "./source.js";
 
-const TRAIN_STEP = "onnxopt.train_step", PROTOCOL = "onnxopt.protocol", EPOCH = "onnxopt.epoch";
+const TRAIN_STEP = "onnxopt.train_step", PROTOCOL = "onnxopt.protocol", EPOCH = "onnxopt.epoch", PACKED = "onnxopt.packed";
 const CARRIED = new Set(["weight", "state", "step", "buffer"]);
-const NEW = ".new", STEP = "optim.step";
+const NEW = ".new", STEP = "optim.step", CARRY = "carry";
 const SMALL_STEP = 1_000_000;  // NOTE: parameters × batch below which one thread is faster (as Python's Runner)
 
 /** The protocol of a step saved before "onnxopt.protocol" existed, from its TrainStep fields. */
@@ -92,7 +96,8 @@ async function parseStep(bytes, base, options) {
   const graph = pb.concat(parts);
   const model = pb.rewriteModel(bytes, () => graph, (f) => f.field !== 14);  // NOTE: metadata stays out of ORT
   const epoch = EPOCH in props ? JSON.parse(props[EPOCH]) : null;
-  return { fields, protocol, carried, initial, declared, model, epoch, metadata: props };
+  const packed = PACKED in props ? JSON.parse(props[PACKED]) : null;
+  return { fields, protocol, carried, initial, declared, model, epoch, packed, metadata: props };
 }
 
 export class StepRunner {
@@ -110,7 +115,9 @@ export class StepRunner {
     const { bytes, base } = await readSource(step, "step");
     const parsed = await parseStep(bytes, base, options);
     const runner = new StepRunner(ort, parsed, options);
-    runner._session = await runner._open(parsed.model, "step");
+    const packed = runner._packed;
+    runner._session = await runner._open(packed ? base64(packed.model) : parsed.model, "step");
+    if (packed?.side) runner._side = await runner._open(base64(packed.side), "step");
     return runner;
   }
 
@@ -119,26 +126,69 @@ export class StepRunner {
     Object.assign(this, { ort, _p: parsed, _options: options, _epochSession: null });
     const { protocol, fields } = parsed;
     const role = (r) => protocol.inputs.filter((i) => i.role === r).map((i) => i.name);
-    if (role("output_grad").length) {
-      throw new Error(`step: compiled with external_grad=True (input ${JSON.stringify(role("output_grad")[0])}); ` +
-        "the JS runner trains steps that compute their own loss");
-    }
     const data = role("data");
-    if (data.length !== 1) {
-      throw new Error(`step: reads ${data.length} data inputs ${JSON.stringify(data)}; the runner feeds one (X)`);
-    }
+    this.dataNames = data;
     this.weightNames = role("weight");
     this.stateNames = [...role("buffer"), ...role("state"), ...role("step")];
-    this._names = { x: data[0], y: role("target")[0] ?? null, w: role("sample_weight")[0] ?? null };
+    this._names = { x: data[0], y: role("target")[0] ?? null, w: role("sample_weight")[0] ?? null,
+      g: role("output_grad")[0] ?? null };
     this._loss = protocol.outputs.find((o) => o.role === "loss").name;
-    this._carriedOut = protocol.outputs.filter((o) => o.feeds);
     this.targetKind = protocol.target_kind;
     this.batchSize = options.batchSize ?? 32;
     this._fields = fields;
     this._ones = new Map();
+    this._hoisted = new Map();
+    // NOTE: the packed form keeps its carry on the CPU: a binding told to leave outputs on a device runs the step as saved
+    const packed = options.packed !== false && !options.sessionOptions?.preferredOutputLocation ? parsed.packed : null;
+    this._packed = packed?.version === 1 ? packed : null;
+    const initial = Object.fromEntries(parsed.carried.map((n) => [n, this._initialTensor(n)]));
+    this.dtype = initial[this.weightNames[0]]?.type ?? "float32";
+    // NOTE: groups: the session's carried inputs, each with the output that replaces it and the tensors it holds
+    this._groups = {};
+    this._where = {};
     this._current = {};
-    for (const name of parsed.carried) this._current[name] = this._initialTensor(name);
-    this.dtype = this._current[this.weightNames[0]]?.type ?? "float32";
+    const layout = this._packed?.carry ?? [];
+    if (layout.length) {
+      const size = layout.reduce((n, [, offset, dims]) => Math.max(n, offset + sizeOf(dims)), 0) +
+        (this._packed.loss_at === null ? 0 : 1);
+      const data = new (initial[layout[0][0]].data.constructor)(size);
+      for (const [name, offset, dims] of layout) {
+        data.set(initial[name].data, offset);
+        this._where[name] = { group: CARRY, offset, dims, size: sizeOf(dims) };
+      }
+      this._groups[CARRY] = CARRY + NEW;
+      this._current[CARRY] = new this.ort.Tensor(this.dtype, data, [size]);
+    }
+    for (const name of parsed.carried.filter((n) => !(n in this._where))) {
+      // NOTE: a counted step counter (the packed form's "counted") is advanced here, not fetched
+      if (!(name === STEP && this._packed?.counted)) {
+        this._groups[name] = this._packed ? name + NEW : protocol.outputs.find((o) => o.feeds === name).name;
+      }
+      this._where[name] = { group: name };
+      this._current[name] = initial[name];
+    }
+  }
+
+  /** @private the carried tensor `name` (a weight, a state): a view of the carry that holds it, no copy. */
+  _tensor(name) {
+    const w = this._where[name], t = this._current[w.group];
+    return w.dims ? new this.ort.Tensor(t.type, t.data.subarray(w.offset, w.offset + w.size), w.dims) : t;
+  }
+
+  /** @private makes `values` ({name: TypedArray}) current: a carry that holds one is copied, then written. */
+  _assign(values) {
+    const next = {};
+    for (const [name, data] of Object.entries(values)) {
+      const w = this._where[name];
+      if (!w.dims) {
+        next[name] = new this.ort.Tensor(this._current[name].type, data, this._current[name].dims);
+        continue;
+      }
+      const t = next[w.group] ??= new this.ort.Tensor(this._current[w.group].type, this._current[w.group].data.slice(),
+        this._current[w.group].dims);
+      t.data.set(data, w.offset);
+    }
+    this._replace(next);
   }
 
   /** @private */
@@ -183,8 +233,7 @@ export class StepRunner {
 
   /** Steps completed so far (the step counter the step carries). */
   get stepCount() {
-    const t = this._current[STEP];
-    return t ? Number(t.data[0]) : 0;
+    return this._where[STEP] ? Number(this._tensor(STEP).data[0]) : 0;
   }
 
   /** @private checks one batch tensor against the step's input `name`. */
@@ -195,24 +244,36 @@ export class StepRunner {
     const info = this._p.declared.get(name);
     const type = info && pb.DTYPES[info.elemType]?.[0];
     const dims = info?.dims;
-    const expected = `${type ?? "any type"}${dims ? shapeText(dims) : ""}`;
-    const got = `${value.type}${shapeText(value.dims)}`;
-    if (type && value.type !== type) throw new Error(`${label}: input ${JSON.stringify(name)} expected ${expected}, got ${got}`);
+    const got = () => `${value.type}${shapeText(value.dims)}`;  // NOTE: messages are built only on an error
+    const fail = () => new Error(`${label}: input ${JSON.stringify(name)} expected ` +
+      `${type ?? "any type"}${dims ? shapeText(dims) : ""}, got ${got()}`);
+    if (type && value.type !== type) throw fail();
     if (rows !== undefined && value.dims[0] !== rows) {
-      throw new Error(`${label}: input ${JSON.stringify(name)} expected ${rows} rows (one per sample of X), got ${got}`);
+      throw new Error(`${label}: input ${JSON.stringify(name)} expected ${rows} rows (one per sample of X), got ${got()}`);
     }
     if (dims && (dims.length !== value.dims.length || dims.some((d, i) => typeof d === "number" && d !== value.dims[i]))) {
-      throw new Error(`${label}: input ${JSON.stringify(name)} expected ${expected}, got ${got}`);
+      throw fail();
     }
   }
 
-  /** @private the feeds of one batch, checked. */
-  _batch(X, y, sampleWeight) {
-    const { x, y: yName, w } = this._names;
-    this._check(X, x, "X");
-    const n = X.dims[0];
-    if (!n) throw new Error(`X: expected at least one sample, got ${X.type}${shapeText(X.dims)}`);
-    const feeds = { [x]: X };
+  /** @private the feeds of one batch, checked: X is a tensor, or {name: tensor} for a step with several data
+   * inputs; `outputGrad` feeds a step compiled with external_grad=True. */
+  _batch(X, y, sampleWeight, outputGrad) {
+    const { y: yName, w, g } = this._names, names = this.dataNames;
+    const single = names.length === 1 && X?.constructor !== Object;
+    if (!single && (X?.constructor !== Object || names.some((k) => !(k in X)) || Object.keys(X).length !== names.length)) {
+      throw new Error(`X: the step reads the data inputs ${JSON.stringify(names)}, expected {name: ort.Tensor} with ` +
+        `each of them, got ${X?.constructor === Object ? JSON.stringify(Object.keys(X)) : describe(X)}`);
+    }
+    const feeds = {};
+    let n;
+    for (const name of names) {
+      const label = names.length === 1 ? "X" : `X.${name}`, value = single ? X : X[name];
+      this._check(value, name, label, n);
+      n ??= value.dims[0];
+      if (!n) throw new Error(`${label}: expected at least one sample, got ${value.type}${shapeText(value.dims)}`);
+      feeds[name] = value;
+    }
     if (yName) {
       if (y === undefined || y === null) throw new Error(`y: the step's loss needs targets for ${JSON.stringify(yName)}, got ${y}`);
       if (this.targetKind === "index" && y instanceof this.ort.Tensor && y.type === "int32") {
@@ -220,9 +281,13 @@ export class StepRunner {
       }
       this._check(y, yName, "y", n);
       feeds[yName] = y;
+    } else if (y !== undefined && y !== null) {
+      throw new Error(`y: the step takes no targets (${g ? "it reads the output gradient: pass { outputGrad }" :
+        "its loss reads none"}), got ${describe(y)}`);
     }
-    if (w) {
-      if (sampleWeight === undefined || sampleWeight === null) sampleWeight = this._onesOf(n);
+    if (w && (sampleWeight === undefined || sampleWeight === null)) {
+      feeds[w] = this._onesOf(n);  // NOTE: made here, of the declared type
+    } else if (w) {
       this._check(sampleWeight, w, "sampleWeight", n);
       if (sampleWeight.dims.length !== 1) {
         throw new Error(`sampleWeight: expected shape [${n}] (one weight per sample), got ${shapeText(sampleWeight.dims)}`);
@@ -230,6 +295,14 @@ export class StepRunner {
       feeds[w] = sampleWeight;
     } else if (sampleWeight !== undefined && sampleWeight !== null) {
       throw new Error("sampleWeight: the step's loss takes no sample weights, got a tensor");
+    }
+    if ((g === null) !== (outputGrad === undefined || outputGrad === null)) {
+      throw new Error(`outputGrad: the step takes ${g ? JSON.stringify(g) : "no output gradient"} (compiled ` +
+        `${g ? "with" : "without"} external_grad=True), got ${describe(outputGrad)}`);
+    }
+    if (g) {
+      this._check(outputGrad, g, "outputGrad", n);
+      feeds[g] = outputGrad;
     }
     return feeds;
   }
@@ -264,30 +337,58 @@ export class StepRunner {
    * @param {object} X ort.Tensor, rows first
    * @param {object} [y] ort.Tensor of targets (int64 or int32 class indices for a classification loss)
    * @param {object} [sampleWeight] ort.Tensor [rows]
+   * @param {object} [options] {outputGrad}: the gradient on the output, for a step compiled with external_grad=True
+   *   (its loss is then the penalty alone), as Python's `Runner.step(X, output_grad=...)`
    * @returns {Promise<number>} the loss; a NaN or infinite loss throws and keeps the weights before the step
    */
-  async step(X, y, sampleWeight) {
-    const batch = this._batch(X, y, sampleWeight);
-    const fetches = [this._loss, ...this._carriedOut.map((o) => o.name)];
-    const out = await this._run(this._session, { ...this._current, ...batch }, fetches, batch);
-    const lossTensor = out[this._loss];
-    const loss = Number((lossTensor.location && lossTensor.location !== "cpu" ? await lossTensor.getData() : lossTensor.data)[0]);
+  async step(X, y, sampleWeight, { outputGrad } = {}) {
+    const batch = this._batch(X, y, sampleWeight, outputGrad);
+    const feeds = this._packed ? this._packedFeeds(batch, sampleWeight) : batch;
+    if (this._packed && this._names.w) {  // NOTE: a side run only for a new batch length or given sample weights
+      const n = batch[this._names.x].dims[0];
+      Object.assign(feeds, (!sampleWeight && this._hoisted.get(n)) || await this._hoist(batch, n, sampleWeight));
+    }
+    const at = this._packed?.loss_at ?? null;
+    this._fetches ??= [...(at === null ? [this._loss] : []), ...Object.values(this._groups)];
+    const out = await this._run(this._session, Object.assign(feeds, this._current), this._fetches, batch);
+    const lossTensor = out[at === null ? this._loss : CARRY + NEW];
+    const loss = Number((lossTensor.location && lossTensor.location !== "cpu" ? await lossTensor.getData() : lossTensor.data)[at ?? 0]);
     if (!Number.isFinite(loss)) {
       throw new Error(`loss became ${loss} at step ${this.stepCount + 1}; the weights were kept as they were ` +
         "before it (see getWeights()): lower the learning rate or check the data for extreme values");
     }
     const next = {};
-    for (const o of this._carriedOut) next[o.feeds] = out[o.name];
+    for (const [name, output] of Object.entries(this._groups)) next[name] = out[output];
+    if (this._packed?.counted) next[STEP] = new this.ort.Tensor("int64", BigInt64Array.of(this._current[STEP].data[0] + 1n), []);
     this._replace(next);
     return loss;
   }
 
+  /** @private the packed model's feeds for `batch`: the target shaped like the prediction, the sample weights
+   * left for `_hoist`. */
+  _packedFeeds(batch) {
+    const { x, y, w } = this._names, shape = this._packed.target_shape, feeds = { ...batch };
+    if (y && shape) feeds[y] = new this.ort.Tensor(batch[y].type, batch[y].data, [batch[x].dims[0], ...shape]);
+    if (w) delete feeds[w];
+    return feeds;
+  }
+
+  /** @private what the packed model reads in place of the sample weights: the values the side model computes from
+   * them (Python's `runner.cpu_model` hoists them), kept per batch length when none are given. */
+  async _hoist(batch, n, sampleWeight) {
+    const w = this._names.w, values = this._side ? await this._side.run({ [w]: batch[w] }, this._packed.hoisted) : {};
+    if (this._packed.weight_kept) values[w] = batch[w];
+    if (!sampleWeight) this._hoisted.set(n, values);
+    return values;
+  }
+
   /** @private makes `next` current; tensors held on a device (not by JS) are released. */
   _replace(next) {
-    for (const [name, t] of Object.entries(this._current)) {
+    for (const name in next) {
+      const t = this._current[name];
       if (t.location && t.location !== "cpu" && next[name] !== t) t.dispose();
+      this._current[name] = next[name];
     }
-    this._current = { ...this._current, ...next };
   }
 
   /** @private a view of rows [a, b) of `t`, no copy. */
@@ -302,17 +403,21 @@ export class StepRunner {
    * batches in one session run (an ONNX Scan), giving the losses of one step per batch.
    * @returns {Promise<Float64Array>}
    */
-  async epoch(X, y, { batchSize = this.batchSize, sampleWeight } = {}) {
-    const all = this._batch(X, y, sampleWeight);  // NOTE: the whole epoch is checked before any step runs
-    const n = X.dims[0];
+  async epoch(X, y, { batchSize = this.batchSize, sampleWeight, outputGrad } = {}) {
+    const all = this._batch(X, y, sampleWeight, outputGrad);  // NOTE: the whole epoch is checked before any step runs
+    const n = all[this._names.x].dims[0];
     if (!Number.isInteger(batchSize) || batchSize < 1) throw new Error(`batchSize: expected a positive integer, got ${batchSize}`);
     const full = Math.floor(n / batchSize);
     let losses = [];
-    if (this._p.epoch && full > 1 && !sampleWeight) losses = await this._scan(X, all[this._names.y], full, batchSize);
+    if (this._p.epoch && full > 1 && !sampleWeight && this.dataNames.length === 1 && this._names.y) {
+      losses = await this._scan(all[this._names.x], all[this._names.y], full, batchSize);
+    }
     for (let start = losses.length * batchSize; start < n; start += batchSize) {
       const end = Math.min(n, start + batchSize), part = (t) => (t ? this._rows(t, start, end) : t);
+      const xs = Object.fromEntries(this.dataNames.map((name) => [name, part(all[name])]));
       try {
-        losses.push(await this.step(part(X), part(all[this._names.y]), part(sampleWeight)));
+        losses.push(await this.step(xs, part(all[this._names.y]), part(sampleWeight),
+          { outputGrad: part(all[this._names.g]) }));
       } catch (err) {
         throw new Error(`batch ${losses.length + 1}: ${err.message}`);
       }
@@ -332,24 +437,24 @@ export class StepRunner {
       feeds[P + name] = this._rows(t, 0, cut, [steps - 1, batch]);
       feeds[P + name + ".last"] = this._rows(t, cut, cut + batch);
     }
-    for (const name of carried) feeds[P + name] = this._current[name];
+    for (const name of carried) feeds[P + name] = this._tensor(name);
     if (this._names.w) feeds[this._names.w] = this._onesOf(batch);
     if (this._epochInputs.has(P + "count")) feeds[P + "count"] = new this.ort.Tensor("int64", BigInt64Array.of(BigInt(steps - 1)), []);
     const fetches = [P + "losses", P + "check", ...carried.map((c) => P + c + NEW)];
     const out = await this._run(this._epochSession, feeds, fetches, { [this._names.x]: X });
     if (!Number.isFinite(Number(out[P + "check"].data[0]))) return [];
-    this._replace(Object.fromEntries(carried.map((c) => [c, out[P + c + NEW]])));
+    this._assign(Object.fromEntries(carried.map((c) => [c, out[P + c + NEW].data])));
     return Array.from(out[P + "losses"].data, Number);
   }
 
   /** The current weights, {name: ort.Tensor}; the runner never writes into them (a step makes new ones). */
   getWeights() {
-    return Object.fromEntries(this.weightNames.map((n) => [n, this._current[n]]));
+    return Object.fromEntries(this.weightNames.map((n) => [n, this._tensor(n)]));
   }
 
   /** Optimizer state, running statistics and the step counter ("optim.step"), {name: ort.Tensor}. */
   getState() {
-    return Object.fromEntries(this.stateNames.map((n) => [n, this._current[n]]));
+    return Object.fromEntries(this.stateNames.map((n) => [n, this._tensor(n)]));
   }
 
   /** Replaces some or all weights: {name: ort.Tensor | TypedArray} of the weight's shape and type. */
@@ -362,16 +467,16 @@ export class StepRunner {
   _set(values, names, what) {
     const next = {};
     for (const [name, value] of Object.entries(values)) {
-      const ref = this._current[name];
       if (!names.includes(name)) throw new Error(`${what}: ${JSON.stringify(name)} is not one of ${JSON.stringify(names)}`);
+      const ref = this._tensor(name);
       const isTensor = value instanceof this.ort.Tensor, data = isTensor ? value.data : value;
       const got = isTensor ? `${value.type}${shapeText(value.dims)}` : `a ${value?.constructor?.name} of ${data?.length} values`;
       const ok = data?.constructor === ref.data.constructor && data.length === ref.data.length &&
         (!isTensor || shapeText(value.dims) === shapeText(ref.dims));
       if (!ok) throw new Error(`${what}: ${JSON.stringify(name)} expected ${ref.type}${shapeText(ref.dims)}, got ${got}`);
-      next[name] = new this.ort.Tensor(ref.type, data.slice(), ref.dims);  // NOTE: a copy: the caller keeps its array
+      next[name] = data.slice();  // NOTE: a copy: the caller keeps its array
     }
-    this._replace(next);
+    this._assign(next);
   }
 
   /**
@@ -399,14 +504,14 @@ export class StepRunner {
         `${JSON.stringify(extra.slice(0, 3))}); nothing was loaded`);
     }
     for (const name of expected) {
-      const a = arrays[name], ref = this._current[name];
+      const a = arrays[name], ref = this._tensor(name);
       if (a.type !== ref.type || shapeText(a.dims) !== shapeText(ref.dims)) {
         throw new Error(`checkpoint: array ${JSON.stringify(name)} is ${a.type}${shapeText(a.dims)}, expected ` +
           `${ref.type}${shapeText(ref.dims)}; nothing was loaded`);
       }
     }
     if (kind !== undefined && meta.kind !== kind) throw new Error(`checkpoint: written by ${JSON.stringify(meta.kind)}, expected ${JSON.stringify(kind)}`);
-    this._replace(Object.fromEntries(expected.map((n) => [n, new this.ort.Tensor(arrays[n].type, arrays[n].data, arrays[n].dims)])));
+    this._assign(Object.fromEntries(expected.map((n) => [n, arrays[n].data])));
     return meta;
   }
 
@@ -421,7 +526,7 @@ export class StepRunner {
     const values = {};
     for (const name of [...this.weightNames, ...this.stateNames.filter((n) => this._p.protocol.inputs
       .some((i) => i.name === n && i.role === "buffer"))]) {
-      const t = this._current[name];
+      const t = this._tensor(name);
       values[name] = { t, data: t.location && t.location !== "cpu" ? await t.getData() : t.data };
     }
     const graph = (g) => {
@@ -442,5 +547,6 @@ export class StepRunner {
   async release() {
     await this._session?.release();
     await this._epochSession?.release();
+    await this._side?.release();
   }
 }

@@ -15,6 +15,13 @@ export async function train(step: Uint8Array, X: ort.Tensor, y: ort.Tensor): Pro
   return runner.export();
 }
 
+export async function external(step: string, a: ort.Tensor, b: ort.Tensor, g: ort.Tensor): Promise<number> {
+  const two = await StepRunner.create(ort, step, { packed: false });
+  const names: string[] = two.dataNames;
+  await two.epoch({ [names[0]]: a, [names[1]]: b }, null, { outputGrad: g });
+  return two.step({ a, b }, null, null, { outputGrad: g });
+}
+
 export async function port(feeds: Record<string, ort.Tensor>): Promise<number> {
   const session = await TrainingSession.create(ort, { checkpointState: "checkpoint", trainModel: "training_model.onnx",
     evalModel: "eval_model.onnx", optimizerModel: "optimizer_model.onnx" });
