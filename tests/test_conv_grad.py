@@ -27,6 +27,10 @@ CASES = {
     "2d-1x1-strided": ((2, 3, 6, 6), (5, 3, 1, 1), dict(strides=[2, 2])),
     "2d-1x1": ((2, 3, 5, 5), (5, 3, 1, 1), {}),
     "2d-pads-past-kernel": ((2, 3, 5, 5), (4, 3, 2, 2), dict(pads=[2, 2, 2, 2])),
+    # NOTE: stride 1, fewer outputs than channels: dW from the windows of dY
+    "2d-fewer-outputs": ((2, 4, 7, 6), (1, 4, 3, 2), dict(pads=[1, 0, 2, 1])),
+    "2d-fewer-outputs-dilated-groups": ((2, 6, 8, 7), (4, 3, 3, 2), dict(pads=[2, 1, 1, 0], dilations=[2, 1], group=2)),
+    "3d-fewer-outputs": ((1, 3, 4, 5, 4), (2, 3, 2, 3, 2), dict(pads=[0, 1, 1, 1, 1, 0])),
     "1d": ((2, 3, 9), (4, 3, 3), dict(pads=[1, 2])),
     "3d": ((1, 2, 4, 5, 4), (3, 2, 2, 3, 2), dict(pads=[0, 1, 0, 1, 1, 0], strides=[1, 2, 1])),
 }

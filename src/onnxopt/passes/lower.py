@@ -343,21 +343,28 @@ def _conv_weight_grad(op, dy, x, w, r: int, kernel: list, channels: int, outputs
     """dW as im2col and one batched MatMul: a depthwise Conv of X by one-hot kernels lays out every window
     (N, C·K, L), times dY (N, O, L) transposed it sums over the positions, ReduceSum over the batch. One GEMM of
     C·K × L × O per sample, where a Conv of X by dY runs a GEMM of O × (N·L) × K per channel (1.7-3× slower on
-    3x3 kernels)."""
+    3x3 kernels). With stride 1 and fewer outputs than channels, the windows of dY instead (N, O·K, S), padded
+    as dX's Conv, kernel positions flipped, times X: O·K rows, not C·K (a gradient penalty's dX Conv, O = 1)."""
     k = int(np.prod(kernel))
+    flip = [d * (n - 1) - p for d, n, p in zip(dilations * 2, kernel * 2, pads)]
+    by_dy = k > 1 and outputs < channels and all(s == 1 for s in strides) and min(flip) >= 0
+    n, m, src, other = (outputs, channels, dy, x) if by_dy else (channels, outputs, x, dy)
     if k == 1 and all(s == 1 for s in strides) and not any(pads):
         cols = x
     else:
-        eye = np.zeros((channels * k, k), np.float32)  # NOTE: kernel c·K + j is 1 at window position j
-        eye[np.arange(channels * k), np.tile(np.arange(k), channels)] = 1.0
-        eye = eye.reshape(channels * k, 1, *kernel)
-        ones = op.CastLike(op.Constant(value=ir.Tensor(eye)), dy)
-        cols = op.Conv(x, ones, strides=strides, pads=pads, dilations=dilations, group=channels)
-    cols = op.Reshape(cols, op.ints([0, group, channels // group * k, -1]))  # (N, g, C·K/g, L)
-    dys = op.Reshape(dy, op.ints([0, group, outputs // group, -1]))  # (N, g, O/g, L)
+        eye = np.zeros((n * k, k), np.float32)  # NOTE: kernel c·K + j is 1 at window position j (K-1-j for dY)
+        eye[np.arange(n * k), np.tile(np.arange(k)[::-1] if by_dy else np.arange(k), n)] = 1.0
+        ones = op.CastLike(op.Constant(value=ir.Tensor(eye.reshape(n * k, 1, *kernel))), dy)
+        cols = op.Conv(src, ones, strides=[1] * r if by_dy else strides, pads=flip if by_dy else pads,
+                       dilations=dilations, group=n)
+    cols = op.Reshape(cols, op.ints([0, group, n // group * k, -1]))  # (N, g, n·K/g, L)
+    rows = op.Reshape(other, op.ints([0, group, m // group, -1]))  # (N, g, m/g, L)
     # NOTE: windows × dYᵀ (C·K/g rows) runs 1.4× faster than dY × windowsᵀ (O/g rows) in onnxruntime 1.32
-    per_sample = op.MatMul(cols, op.Transpose(dys, perm=[0, 1, 3, 2]))  # (N, g, C·K/g, O/g)
-    dw = op.Transpose(op.ReduceSum(per_sample, op.ints([0]), keepdims=0), perm=[0, 2, 1])
+    summed = op.ReduceSum(op.MatMul(cols, op.Transpose(rows, perm=[0, 1, 3, 2])), op.ints([0]), keepdims=0)
+    if by_dy:  # NOTE: (g, O/g·K, C/g) -> (g, O/g, C/g, K)
+        dw = op.Transpose(op.Reshape(summed, op.ints([group, n // group, k, m // group])), perm=[0, 1, 3, 2])
+    else:  # NOTE: (g, C·K/g, O/g) -> (g, O/g, C·K/g)
+        dw = op.Transpose(summed, perm=[0, 2, 1])
     return op.Reshape(dw, op.shape_of(w))
 
 
