@@ -187,7 +187,8 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
     print("| workload | onnxopt ms/step | peer ms/step | ratio |")
     print("|---|---|---|---|")
-    for row in penalty_rows(args.turns, args.steps, args.ort_threads) + rnn_rows(args.turns, args.steps, args.ort_threads):
+    rows = penalty_rows(args.turns, args.steps, args.ort_threads) + rnn_rows(args.turns, args.steps, args.ort_threads)
+    for row in rows:
         print(row, flush=True)
 
 

@@ -29,7 +29,8 @@ CASES = {
     "2d-pads-past-kernel": ((2, 3, 5, 5), (4, 3, 2, 2), dict(pads=[2, 2, 2, 2])),
     # NOTE: stride 1, fewer outputs than channels: dW from the windows of dY
     "2d-fewer-outputs": ((2, 4, 7, 6), (1, 4, 3, 2), dict(pads=[1, 0, 2, 1])),
-    "2d-fewer-outputs-dilated-groups": ((2, 6, 8, 7), (4, 3, 3, 2), dict(pads=[2, 1, 1, 0], dilations=[2, 1], group=2)),
+    "2d-fewer-outputs-dilated-groups": ((2, 6, 8, 7), (4, 3, 3, 2),
+                                        dict(pads=[2, 1, 1, 0], dilations=[2, 1], group=2)),
     "3d-fewer-outputs": ((1, 3, 4, 5, 4), (2, 3, 2, 3, 2), dict(pads=[0, 1, 1, 1, 1, 0])),
     "1d": ((2, 3, 9), (4, 3, 3), dict(pads=[1, 2])),
     "3d": ((1, 2, 4, 5, 4), (3, 2, 2, 3, 2), dict(pads=[0, 1, 0, 1, 1, 0], strides=[1, 2, 1])),
@@ -181,7 +182,8 @@ def test_conv_transpose_second_derivatives_match_torch(name):
     inits = _inits(model)
     dot = onnx.ModelProto()
     dot.CopyFrom(first)
-    dot.graph.node.extend([helper.make_node("Mul", ["X_grad", "V"], ["xv"]), helper.make_node("Mul", ["W_grad", "U"], ["wu"]),
+    dot.graph.node.extend([helper.make_node("Mul", ["X_grad", "V"], ["xv"]),
+                           helper.make_node("Mul", ["W_grad", "U"], ["wu"]),
                            helper.make_node("ReduceSum", ["xv"], ["sx"], keepdims=0),
                            helper.make_node("ReduceSum", ["wu"], ["sw"], keepdims=0),
                            helper.make_node("Add", ["sx", "sw"], ["dot"])])
