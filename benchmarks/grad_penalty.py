@@ -3,10 +3,10 @@
 on a small MLP and a small CNN; and a Scan RNN step against the same RNN unrolled into straight-line nodes.
 
 Turns alternate within one process, each after an untimed step; the figure is the median of the turns'
-medians, in ms per step. torch on two threads (--torch-threads), onnxruntime as the Runner picks. Prints a
-markdown table.
+medians, in ms per step. torch on two threads (--torch-threads), onnxruntime as the Runner picks (--ort-threads
+sets its intra-op threads: the same count on both sides). Prints a markdown table.
 
-    python benchmarks/grad_penalty.py [--turns 5] [--steps 20] [--torch-threads 2]
+    python benchmarks/grad_penalty.py [--turns 5] [--steps 20] [--torch-threads 2] [--ort-threads N]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from onnx import numpy_helper as nh
 from torch import nn
 
 import onnxopt
+from onnxopt.runner import default_session_options
 
 LAMBDA, LR = 10.0, 1e-3
 
@@ -102,7 +103,15 @@ def compare(sides: dict, turns: int, steps: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in results.items()}
 
 
-def penalty_rows(turns: int, steps: int) -> list[str]:
+def runner(step, ort_threads: int | None) -> onnxopt.Runner:
+    if ort_threads is None:
+        return onnxopt.Runner(step)
+    opts = default_session_options(0)
+    opts.intra_op_num_threads = ort_threads
+    return onnxopt.Runner(step, session_options=opts)
+
+
+def penalty_rows(turns: int, steps: int, ort_threads: int | None = None) -> list[str]:
     rows = []
     for name, module, shape in (("MLP 32-256-256-1, batch 256", MLP(), (256, 32)),
                                 ("CNN 1x28x28, 2 conv + linear, batch 64", CNN(), (64, 1, 28, 28))):
@@ -110,10 +119,10 @@ def penalty_rows(turns: int, steps: int) -> list[str]:
         x = torch.randn(*shape)
         step = onnxopt.compile_train_step(penalty_model(export(module, x), len(shape)), loss=None,
                                           loss_output="loss", update="sgd", learning_rate=LR)
-        runner = onnxopt.Runner(step)
+        run = runner(step, ort_threads)
         opt = torch.optim.SGD(module.parameters(), lr=LR)
         xn = x.numpy()
-        t = compare({"onnxopt": lambda r=runner, xn=xn: r.step(xn),
+        t = compare({"onnxopt": lambda r=run, xn=xn: r.step(xn),
                      "torch": lambda m=module, o=opt, x=x: torch_step(m, o, x.clone())}, turns, steps)
         rows.append(f"| {name} | {t['onnxopt']:.2f} | {t['torch']:.2f} | {t['onnxopt'] / t['torch']:.2f} |")
     return rows
@@ -154,7 +163,7 @@ def rnn(scan: bool, steps: int = 32, batch: int = 16, features: int = 16, hidden
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=10)
 
 
-def rnn_rows(turns: int, steps: int) -> list[str]:
+def rnn_rows(turns: int, steps: int, ort_threads: int | None = None) -> list[str]:
     rng = np.random.default_rng(1)
     x = rng.normal(size=(32, 16, 16)).astype(np.float32)
     y = rng.normal(size=(32, 16, 64)).astype(np.float32)
@@ -162,7 +171,7 @@ def rnn_rows(turns: int, steps: int) -> list[str]:
     for name, scan in (("scan", True), ("unrolled", False)):
         step = onnxopt.compile_train_step(rnn(scan), loss="square", update="sgd", learning_rate=LR,
                                           weights=["W", "U", "b"])
-        runners[name] = onnxopt.Runner(step)
+        runners[name] = runner(step, ort_threads)
     t = compare({name: (lambda r=r: r.step(x, y)) for name, r in runners.items()}, turns, steps)
     return [(f"| RNN step (Scan vs unrolled), 32 steps, batch 16, hidden 64 | {t['scan']:.2f} | "
              f"{t['unrolled']:.2f} | {t['scan'] / t['unrolled']:.2f} |")]
@@ -173,11 +182,13 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--torch-threads", type=int, default=2)
+    parser.add_argument("--ort-threads", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
     print("| workload | onnxopt ms/step | peer ms/step | ratio |")
     print("|---|---|---|---|")
-    for row in penalty_rows(args.turns, args.steps) + rnn_rows(args.turns, args.steps):
+    rows = penalty_rows(args.turns, args.steps, args.ort_threads) + rnn_rows(args.turns, args.steps, args.ort_threads)
+    for row in rows:
         print(row, flush=True)
 
 

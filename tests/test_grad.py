@@ -112,7 +112,7 @@ class Attention(torch.nn.Module):
 
 # NOTE: float32 for the CNN: onnxruntime has no float64 Conv kernel
 CASES = {"mlp": (MLP, (5, 4), ["l1.weight", "l2.bias"], torch.float64),
-         "cnn": (CNN, (2, 2, 6, 6), ["conv.weight", "fc.weight"], torch.float32),
+         "cnn": (CNN, (2, 2, 6, 6), ["conv.weight", "conv2.weight", "fc.weight"], torch.float32),
          "attention": (Attention, (2, 3, 8), ["qkv.weight", "norm.weight"], torch.float64)}
 
 

@@ -7,7 +7,7 @@ import onnx_ir as ir
 
 from onnxopt.autodiff.engine import rule
 from onnxopt.errors import ModelError
-from onnxopt.passes.lower import _conv_transpose_to, conv_grad, divide_by_window_counts
+from onnxopt.passes.lower import _conv_transpose_to, conv_grad, conv_weight_grad, divide_by_window_counts
 
 F = "conv/pool"
 _CONV = ("kernel_shape", "strides", "pads", "dilations", "group", "auto_pad")
@@ -35,17 +35,25 @@ def _conv(c):
 
 @rule("ConvTranspose", family=F)
 def _conv_transpose(c):
-    """dX = Conv(dY, W) (ConvTranspose is the adjoint of that Conv), dB = dY summed but over channels: the
-    ConvTransposes the rules write (pooling, strided Conv) whose static shapes the rewrite needs are unknown."""
-    if c.need(1):
-        raise ValueError("the gradient of ConvTranspose's weight has no rule (only static shapes are rewritten)")
+    """ConvTranspose(X, W) is the adjoint of Conv(·, W) (same strides, pads, dilations, group): dX = Conv(dY, W),
+    dW = that Conv's weight gradient with dY its input and X its output gradient (``conv_weight_grad``: im2col,
+    no zeros inserted), dB = dY summed but over channels."""
     if "output_shape" in c.node.attributes or c.attr("auto_pad", "NOTSET") != "NOTSET":
         raise ValueError("ConvTranspose with output_shape or auto_pad has no rule")
-    dy = c.go(0)
-    dx = c.Conv(dy, c.I(1), **c.attrs("strides", "pads", "dilations", "group")) if c.need(0) else None
-    r = c.rank(dy)
+    x, w, dy = c.I(0), c.I(1), c.go(0)
+    r = c.rank(x) if c.rank(x) is not None else c.rank(c.O(0))
+    attrs = {"strides": [1] * (r - 2), "pads": [0] * (2 * r - 4), "dilations": [1] * (r - 2), "group": 1,
+             **c.attrs("strides", "pads", "dilations", "group")}
+    dx = c.Conv(dy, w, **attrs) if c.need(0) else None
+    dw = None
+    if c.need(1):
+        kernel = list(c.attr("kernel_shape", None) or (c.dims(w) or [None] * r)[2:])
+        ys, xs = c.dims(c.O(0)) or (None,) * r, c.dims(x) or (None,) * r
+        # NOTE: channels and sizes from the forward values: dY, a value a rule wrote, has no shape of its own
+        dw = conv_weight_grad(c, x, dy, w, r - 2, None if None in kernel else kernel, ys[1], xs[1], list(xs[2:]),
+                              list(attrs["strides"]), list(attrs["pads"]), list(attrs["dilations"]), attrs["group"])
     db = c.ReduceSum(dy, c.ints([0, *range(2, r)]), keepdims=0) if c.need(2) else None
-    return [dx, None, db]
+    return [dx, dw, db]
 
 
 @rule("MaxPool", family=F, inputs=(0,))

@@ -263,6 +263,8 @@ def decompose(model: ir.Model, unroll_recurrent: bool = False, gradient: str = "
     # NOTE: on the model's own Where nodes (typed by shape inference), before the rules add theirs
     _expand_where_branches(model.graph)
     present = {n.op_type for n in model.graph if n.domain in ("", "ai.onnx")}
+    if gradient == "onnxopt":  # NOTE: its rule differentiates ConvTranspose faster than the zero-inserting rewrite
+        present.discard("ConvTranspose")
     rules = [rule for op in sorted(present & set(_RULE_SET)) for rule in _RULE_SET[op]]
     if rules:
         graphs.rule_set(rules).apply_to_model(model)

@@ -118,10 +118,18 @@ def _unbroadcast(op: _Op, g: ir.Value, target: ir.Value) -> ir.Value:
     return op.Reshape(op.ReduceSum(g, axes, keepdims=1, noop_with_empty_axes=1), t_shape)
 
 
-def _conv_transpose_to(op, dy, w, x, r: int, **attrs) -> ir.Value:
+def _conv_transpose_to(op, dy, w, x, r: int, kernel=None, **attrs) -> ir.Value:
     """ConvTranspose of dy by w cut or zero-padded to x's spatial size: windows cover the end padding only in
-    part when (size + pads − window) is not a multiple of the stride, so only the begin pads are cropped."""
+    part when (size + pads − window) is not a multiple of the stride, so only the begin pads are cropped. With
+    the sizes of x and dy and the ``kernel`` static, one ConvTranspose whose output_padding gives x's size (no
+    Slice or Pad: their second-order gradients, scatters of a dynamic Slice, cost more than the step)."""
     pads = attrs.pop("pads")
+    size, n = (op.dims(x) or (None,) * (r + 2))[2:], (op.dims(dy) or (None,) * (r + 2))[2:]
+    if kernel is not None and None not in size and None not in n:
+        s, d = attrs["strides"], attrs.get("dilations") or [1] * r
+        extra = [size[i] + pads[i] + pads[r + i] - d[i] * (kernel[i] - 1) - 1 - s[i] * (n[i] - 1) for i in range(r)]
+        if all(0 <= e < s[i] for i, e in enumerate(extra)):
+            return op.ConvTranspose(dy, w, pads=pads, output_padding=extra if any(extra) else None, **attrs)
     dx = op.ConvTranspose(dy, w, pads=[*pads[:r], *[0] * r], **attrs)
     dx = op.Slice(dx, op.ints([0] * r), op.Shape(x, start=2), op.ints(range(2, r + 2)))
     missing = op.Sub(op.Shape(x, start=2), op.Shape(dx, start=2))
@@ -335,21 +343,28 @@ def _conv_weight_grad(op, dy, x, w, r: int, kernel: list, channels: int, outputs
     """dW as im2col and one batched MatMul: a depthwise Conv of X by one-hot kernels lays out every window
     (N, C·K, L), times dY (N, O, L) transposed it sums over the positions, ReduceSum over the batch. One GEMM of
     C·K × L × O per sample, where a Conv of X by dY runs a GEMM of O × (N·L) × K per channel (1.7-3× slower on
-    3x3 kernels)."""
+    3x3 kernels). With stride 1 and fewer outputs than channels, the windows of dY instead (N, O·K, S), padded
+    as dX's Conv, kernel positions flipped, times X: O·K rows, not C·K (a gradient penalty's dX Conv, O = 1)."""
     k = int(np.prod(kernel))
+    flip = [d * (n - 1) - p for d, n, p in zip(dilations * 2, kernel * 2, pads)]
+    by_dy = k > 1 and outputs < channels and all(s == 1 for s in strides) and min(flip) >= 0
+    n, m, src, other = (outputs, channels, dy, x) if by_dy else (channels, outputs, x, dy)
     if k == 1 and all(s == 1 for s in strides) and not any(pads):
         cols = x
     else:
-        eye = np.zeros((channels * k, k), np.float32)  # NOTE: kernel c·K + j is 1 at window position j
-        eye[np.arange(channels * k), np.tile(np.arange(k), channels)] = 1.0
-        eye = eye.reshape(channels * k, 1, *kernel)
-        ones = op.CastLike(op.Constant(value=ir.Tensor(eye)), dy)
-        cols = op.Conv(x, ones, strides=strides, pads=pads, dilations=dilations, group=channels)
-    cols = op.Reshape(cols, op.ints([0, group, channels // group * k, -1]))  # (N, g, C·K/g, L)
-    dys = op.Reshape(dy, op.ints([0, group, outputs // group, -1]))  # (N, g, O/g, L)
+        eye = np.zeros((n * k, k), np.float32)  # NOTE: kernel c·K + j is 1 at window position j (K-1-j for dY)
+        eye[np.arange(n * k), np.tile(np.arange(k)[::-1] if by_dy else np.arange(k), n)] = 1.0
+        ones = op.CastLike(op.Constant(value=ir.Tensor(eye.reshape(n * k, 1, *kernel))), dy)
+        cols = op.Conv(src, ones, strides=[1] * r if by_dy else strides, pads=flip if by_dy else pads,
+                       dilations=dilations, group=n)
+    cols = op.Reshape(cols, op.ints([0, group, n // group * k, -1]))  # (N, g, n·K/g, L)
+    rows = op.Reshape(other, op.ints([0, group, m // group, -1]))  # (N, g, m/g, L)
     # NOTE: windows × dYᵀ (C·K/g rows) runs 1.4× faster than dY × windowsᵀ (O/g rows) in onnxruntime 1.32
-    per_sample = op.MatMul(cols, op.Transpose(dys, perm=[0, 1, 3, 2]))  # (N, g, C·K/g, O/g)
-    dw = op.Transpose(op.ReduceSum(per_sample, op.ints([0]), keepdims=0), perm=[0, 2, 1])
+    summed = op.ReduceSum(op.MatMul(cols, op.Transpose(rows, perm=[0, 1, 3, 2])), op.ints([0]), keepdims=0)
+    if by_dy:  # NOTE: (g, O/g·K, C/g) -> (g, O/g, C/g, K)
+        dw = op.Transpose(op.Reshape(summed, op.ints([group, n // group, k, m // group])), perm=[0, 1, 3, 2])
+    else:  # NOTE: (g, C·K/g, O/g) -> (g, O/g, C·K/g)
+        dw = op.Transpose(summed, perm=[0, 2, 1])
     return op.Reshape(dw, op.shape_of(w))
 
 
@@ -379,27 +394,36 @@ def conv_grad(op, dy, x, w, kernel_shape=None, strides=None, pads=None, dilation
         if flip_pads is not None and all(s == 1 for s in strides) and min(flip_pads) >= 0:
             dx = _conv_input_grad(op, dy, w, r, flip_pads, dilations, group)
         else:
-            dx = _conv_transpose_to(op, dy, w, x, r, strides=strides, pads=pads, dilations=dilations, group=group)
-    channels = (op.dims(x) or (None, None))[1]
-    outputs = (op.dims(dy) or (None, None))[1] or (op.dims(w) or (None,))[0]
-    spatial = _conv_output_size(op, dy, x, r, kernel, strides, pads, dilations)
-    col = None if kernel is None or not channels or not outputs or None in spatial else (
-        channels * int(np.prod(kernel)) * int(np.prod(spatial)))
-    if op.wanted(1) and col is not None and col <= IM2COL_FLOATS:
-        dw = _conv_weight_grad(op, dy, x, w, r, kernel, channels, outputs, strides, pads, dilations, group)
-    elif op.wanted(1):
-        # NOTE: X (N, g·C, *S) -> (C, g·N, *S) and dy (N, O, *T) -> (O, N, *T): a Conv with `group` groups sums
-        # over the batch, strides and dilations trade places; windows past the kernel are cut
-        xs = op.Reshape(x, op.Concat(op.Shape(x, start=0, end=1), op.ints([group, -1]), op.Shape(x, start=2), axis=0))
-        xs = op.Transpose(xs, perm=[2, 1, 0, *range(3, r + 3)])
-        xs = op.Reshape(xs, op.Concat(op.ints([0, -1]), op.Shape(x, start=2), axis=0))
-        dyt = op.Transpose(dy, perm=[1, 0, *range(2, r + 2)])
-        full = op.Conv(xs, dyt, strides=dilations, dilations=strides, pads=pads, group=group)
-        dw = op.Slice(op.Transpose(full, perm=[1, 0, *range(2, r + 2)]), op.ints([0] * r), op.Shape(w, start=2),
-                      op.ints(range(2, r + 2)))
+            dx = _conv_transpose_to(op, dy, w, x, r, kernel, strides=strides, pads=pads, dilations=dilations,
+                                    group=group)
+    if op.wanted(1):
+        channels = (op.dims(x) or (None, None))[1]
+        outputs = (op.dims(dy) or (None, None))[1] or (op.dims(w) or (None,))[0]
+        spatial = _conv_output_size(op, dy, x, r, kernel, strides, pads, dilations)
+        dw = conv_weight_grad(op, dy, x, w, r, kernel, channels, outputs, spatial, strides, pads, dilations, group)
     if op.wanted(2):
         db = op.ReduceSum(dy, op.ints([0, *range(2, r + 2)]), keepdims=0)
     return dx, dw, db
+
+
+def conv_weight_grad(op, dy, x, w, r: int, kernel, channels, outputs, spatial: list, strides: list, pads: list,
+                     dilations: list, group: int) -> ir.Value:
+    """dW of a Conv of ``x`` giving ``dy``: im2col and a batched MatMul (``_conv_weight_grad``) when the kernel,
+    the channels, the outputs and dy's ``spatial`` size are known and the window matrix is within
+    ``IM2COL_FLOATS`` per sample, else a grouped Conv of X by dy, the batch as channels."""
+    col = None if kernel is None or not channels or not outputs or None in spatial else (
+        channels * int(np.prod(kernel)) * int(np.prod(spatial)))
+    if col is not None and col <= IM2COL_FLOATS:
+        return _conv_weight_grad(op, dy, x, w, r, kernel, channels, outputs, strides, pads, dilations, group)
+    # NOTE: X (N, g·C, *S) -> (C, g·N, *S) and dy (N, O, *T) -> (O, N, *T): a Conv with `group` groups sums
+    # over the batch, strides and dilations trade places; windows past the kernel are cut
+    xs = op.Reshape(x, op.Concat(op.Shape(x, start=0, end=1), op.ints([group, -1]), op.Shape(x, start=2), axis=0))
+    xs = op.Transpose(xs, perm=[2, 1, 0, *range(3, r + 3)])
+    xs = op.Reshape(xs, op.Concat(op.ints([0, -1]), op.Shape(x, start=2), axis=0))
+    dyt = op.Transpose(dy, perm=[1, 0, *range(2, r + 2)])
+    full = op.Conv(xs, dyt, strides=dilations, dilations=strides, pads=pads, group=group)
+    return op.Slice(op.Transpose(full, perm=[1, 0, *range(2, r + 2)]), op.ints([0] * r), op.Shape(w, start=2),
+                    op.ints(range(2, r + 2)))
 
 
 def max_pool_grad(op, dy, indices, **_):
