@@ -5,7 +5,8 @@
   gradient (``GRADS/<weight>``), each written into its slice of one flat buffer;
 - the *update* step: clipping, schedule and update rule, compiled by ``compile_train_step`` on a linear model
   whose loss Σₖ ⟨Wₖ, Gₖ⟩ has the flat input G as its exact gradient, and run by a ``Runner`` (weights, state,
-  step counter, checkpoints and ``export`` are the ``Runner``'s).
+  step counter, checkpoints and ``export`` are the ``Runner``'s); ``DataParallelRunner`` runs its session model
+  with each Gₖ an input of its own, read where it lies in the reduced buffer (``_per_weight``).
 Each step a rank scales its gradients and loss by its share s = c / C of the global batch (c its rows, C the
 batch's; with sample weights, their sums: every rank holds the global batch, so s needs no collective), one
 all-reduce sums [s·g, s·loss] over the ranks (``_Shared`` through shared memory on one host, ``_Gloo`` through
