@@ -150,8 +150,7 @@ def bound(name: str) -> None:
                        (rank.roles.sample_weight, np.ones(half, rank.dtype))):
         binding.bind_cpu_input(key, np.ascontiguousarray(value))
     ms["of which the gradient step alone"] = cpu(lambda *_: rank.session.run_with_iobinding(binding), half)
-    flat = rank._result[:rank._size].copy()
-    ms["of which the update step alone"] = cpu(lambda *_: rank.updater.step(flat), half)
+    ms["of which the update step alone"] = cpu(lambda *_: rank._apply(), half)
     print(f"\n| {name}: CPU ms a step, 1 thread (load {os.getloadavg()[0]:.1f}) | ms |\n| --- | --- |")
     for key, value in ms.items():
         print(f"| {key} | {value:.2f} |")

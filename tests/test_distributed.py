@@ -37,6 +37,7 @@ def test_split_step_trains_like_the_fused_step(name, weighted):
     model, cfg = mlp([5, 8, 1]), CONFIGS[name]
     ref = onnxopt.Runner(onnxopt.compile_train_step(model, **cfg))
     dp = distributed.DataParallelRunner(*distributed.split_step(model, loss="square", **cfg))
+    assert dp._update, "the update reads each weight's gradient where it lies (no Split of the flat buffer)"
     for i in range(0, 96, 16):
         w = sw[i:i + 16] if weighted else None
         assert dp.step(X[i:i + 16], y[i:i + 16], w) == pytest.approx(ref.step(X[i:i + 16], y[i:i + 16], w), rel=1e-5)

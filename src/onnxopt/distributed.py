@@ -5,7 +5,8 @@
   gradient (``GRADS/<weight>``), each written into its slice of one flat buffer;
 - the *update* step: clipping, schedule and update rule, compiled by ``compile_train_step`` on a linear model
   whose loss Σₖ ⟨Wₖ, Gₖ⟩ has the flat input G as its exact gradient, and run by a ``Runner`` (weights, state,
-  step counter, checkpoints and ``export`` are the ``Runner``'s).
+  step counter, checkpoints and ``export`` are the ``Runner``'s); ``DataParallelRunner`` runs its session model
+  with each Gₖ an input of its own, read where it lies in the reduced buffer (``_per_weight``).
 Each step a rank scales its gradients and loss by its share s = c / C of the global batch (c its rows, C the
 batch's; with sample weights, their sums: every rank holds the global batch, so s needs no collective), one
 all-reduce sums [s·g, s·loss] over the ranks (``_Shared`` through shared memory on one host, ``_Gloo`` through
@@ -103,13 +104,34 @@ def _linear(weights: dict[str, np.ndarray], opset: int) -> ir.Model:
         w = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(a.shape), const_value=ir.tensor(a))
         graph.register_initializer(w)
         part = tape.op("Slice", [flat, const([offset]), const([offset + a.size]), const([0])])
-        terms.append(tape.op("ReduceSum", [tape.op("Mul", [w, tape.op("Reshape", [part, const(a.shape)])])],
-                             {"keepdims": 0}))
+        piece = part if len(a.shape) == 1 else tape.op("Reshape", [part, const(a.shape)])
+        piece.name = f"{GRADS}/{name}"  # NOTE: found by name in the update's session model (_per_weight)
+        terms.append(tape.op("ReduceSum", [tape.op("Mul", [w, piece])], {"keepdims": 0}))
         offset += a.size
     loss = tape.op("Sum", terms) if len(terms) > 1 else terms[0]
     loss.name = "loss"
     graph.outputs.append(loss)
     return ir.Model(graph, ir_version=10)
+
+
+def _per_weight(model: bytes, shapes: dict[str, tuple[int, ...]]) -> bytes | None:
+    """The update's session ``model`` reading each weight's gradient ``GRADS/<w>`` (``_linear``'s slice of the flat
+    input) as an input of its own, bound to its view of the reduced buffer: no Split copy of the flat buffer a
+    step. None when a gradient is not found by name."""
+    m = ir.from_proto(onnx.load_from_string(model))
+    values = {v.name: v for node in m.graph for v in node.outputs}
+    flat = next(v for v in m.graph.inputs if v.name == GRADS)
+    for w, shape in shapes.items():
+        old = values.get(f"{GRADS}/{w}")
+        if old is None:
+            return None
+        new = ir.Value(name=old.name, type=flat.type, shape=ir.Shape(shape))
+        old.name = f"{old.name}.sliced"
+        ir.convenience.replace_all_uses_with(old, new)
+        m.graph.inputs.append(new)
+    m.graph.inputs.remove(flat)
+    passes.RemoveUnusedNodesPass()(m)
+    return ir.to_proto(m).SerializeToString()
 
 
 def split_step(model, update="sgd", learning_rate=1e-2, **kwargs) -> tuple[TrainStep, TrainStep]:
@@ -445,6 +467,11 @@ class DataParallelRunner:
         self._scratch = np.zeros_like(self._result) if sync_every > 1 else None  # NOTE: micro-batches after the first
         self._loss = np.zeros((), self.updater.dtype)
         self._ones_cache = np.ones(0, self.updater.dtype)
+        lean = _per_weight(self.updater._sessions.free, self._grad_shapes)
+        self._update = lean and self.updater._sessions.bindings_of(lean)  # NOTE: (session, binding per set)
+        for raw in self._update[1] if self._update and device == "cpu" else []:  # NOTE: CUDA copies each step
+            for name, view in self._views(self._result).items():
+                raw.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(view)._ortvalue)
         self._bindings: dict[tuple, object] = {}
         self._checked = False
 
@@ -612,8 +639,22 @@ class DataParallelRunner:
             raise ConvergenceError(f"loss became {loss} at step {self.updater.step_count + 1}; the weights are "
                                    f"those that gave the last finite loss (step {self.updater.step_count}), see "
                                    "get_weights()")
-        self.updater.step(self._result[:size])
+        self._apply()
         return loss
+
+    def _apply(self) -> None:
+        """The update on the reduced gradients, each weight's read where it lies in ``_result`` (CUDA: copied up)."""
+        if not self._update:
+            self.updater.step(self._result[:self._size])
+            return
+        (session, raws), ring = self._update, self.updater._ring
+        with self.updater._lock:
+            if self.device == "cuda":
+                for name, view in self._views(self._result).items():
+                    raws[ring.current].bind_ortvalue_input(
+                        name, ort.OrtValue.ortvalue_from_numpy(view, "cuda")._ortvalue)
+            session.run_with_iobinding(raws[ring.current], None)
+            ring.advance()
 
     def epoch(self, X, y=None, sample_weight=None, batch_size: int | None = None) -> np.ndarray:
         """``step`` over the global batches of ``X`` in order (``batch_size`` rows each); returns their losses."""
