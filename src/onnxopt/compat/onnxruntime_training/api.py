@@ -1,9 +1,11 @@
 """``onnxruntime.training.api`` on stock onnxruntime: CheckpointState, Module, Optimizer, LinearLRScheduler.
 
-The state (parameters, gradient buffers, moments) lives in ``OrtValue``s that stay bound between calls: each
-training call feeds them to the training model (``lowering.training_graph``: onnxruntime's in-place
-accumulation written as outputs) and keeps the new buffers; each optimizer step runs one standard ONNX
-update model (``lowering.update_model``) over every parameter and keeps the new weights and moments.
+The state (parameters, gradient buffers, moments) lives in ``OrtValue``s bound once to each run (``_Run``): a
+run writes the spare side of what it updates and ``_Swap.flip`` makes it current, so nothing is copied or bound
+again per call. The training model is ``lowering.training_graph`` (onnxruntime's in-place accumulation written as
+outputs); once an ``Optimizer`` exists it is ``lowering.fused_model``, whose run also computes the update from the
+new gradients: ``step()`` commits those candidates when nothing changed since (same learning rate, no parameter
+written), and otherwise runs the update model (``lowering.update_model``), so the results are onnxruntime's.
 Artifacts written by onnxruntime-training's ``generate_artifacts`` or by ``artifacts.generate_artifacts`` load
 alike.
 """
@@ -230,6 +232,8 @@ class _Run:
     api), the call binds the user's ``feeds`` and returns copies of the ``fetch`` outputs."""
 
     def __init__(self, session: ort.InferenceSession, ins: dict, outs: dict, fetch: list[str]):
+        names = {i.name for i in session.get_inputs()}  # NOTE: a specialized model may read fewer
+        ins = {n: v for n, v in ins.items() if n in names}
         self.session, self.ins, self.outs, self.fetch = session, ins, outs, fetch
         self.raw = session.io_binding()._iobinding  # NOTE: the C binding: no wrapper call per run
         for n in fetch:
@@ -240,15 +244,16 @@ class _Run:
             self.raw.bind_ortvalue_output(n, v._ortvalue)
 
     def __call__(self, feeds: dict) -> list[np.ndarray]:
-        if any(x.dtype.kind in "OUS" for x in feeds.values() if isinstance(x, np.ndarray)):  # NOTE: no string OrtValue
+        if any(type(x) is np.ndarray and x.dtype.kind in "OUS" for x in feeds.values()):  # NOTE: no string OrtValue
             feeds = {**{n: v.numpy() for n, v in self.ins.items()}, **feeds}
             done = self.session.run([*self.fetch, *self.outs], feeds)
             for value, array in zip(self.outs.values(), done[len(self.fetch):]):
                 value.update_inplace(array)
             return done[:len(self.fetch)]
-        keep = [_ortvalue(x) for x in feeds.values()]  # NOTE: alive until the run ends
-        for n, v in zip(feeds, keep):
-            self.raw.bind_ortvalue_input(n, v._ortvalue)
+        feeds = {n: x if isinstance(x, ort.OrtValue) else np.ascontiguousarray(x) for n, x in feeds.items()}
+        for n, x in feeds.items():  # NOTE: ``feeds`` keeps the arrays alive until the run ends
+            self.raw.bind_ortvalue_input(n, x._ortvalue if isinstance(x, ort.OrtValue) else
+                                         C.OrtValue.ortvalue_from_numpy(x, _HOST))
         self.session._sess.run_with_iobinding(self.raw, None)
         outs = self.raw.get_outputs()
         done = [outs[i].numpy().copy() for i in range(len(self.fetch))]
@@ -284,8 +289,8 @@ class Module:
         self._train_inputs = [n for n in names if n not in state._requires_grad and n not in buffers and n != RESET]
         self._has_reset = RESET in names
         self._train_outputs = [v.name for v in train.graph.output if not v.name.endswith("_grad.accumulation.out")]
-        self._lowered, self._options = lowering.training_graph(train), (providers, session_options)
-        self._train = _session(self._lowered, providers, session_options)
+        self._proto, self._options, self._sessions, self._optimizer = train, (providers, session_options), {}, None
+        self._session(True)  # NOTE: made now, so that a model that does not lower or load fails here
         self._eval = self._eval_proto = None
         if eval_model_uri is not None:
             self._eval_proto = onnx.load(os.fspath(eval_model_uri))
@@ -293,8 +298,7 @@ class Module:
             self._eval_inputs = [v.name for v in self._eval_proto.graph.input if v.name not in state._requires_grad]
             self._eval_params = [v.name for v in self._eval_proto.graph.input if v.name in state._requires_grad]
             self._eval_outputs = [v.name for v in self._eval_proto.graph.output]
-        self._accumulate, self._optimizer = False, None
-        self._flag = _ortvalue(np.array([True]))  # NOTE: the reset flag, bound once and written in place
+        self._accumulate = False
         for name in self._trained:
             dtype, shape = state._meta[name]
             state._grads[name] = _ortvalue(np.zeros(shape, dtype))
@@ -303,21 +307,30 @@ class Module:
         self._weights.add(state._values, self._trained)
         self._grads.add(state._grads, self._trained)
 
-    def _run(self, kind: str) -> _Run:
+    def _session(self, fresh: bool) -> ort.InferenceSession:
+        """The training session for ``fresh`` gradients (else accumulated), fused with the optimizer's update once
+        one exists (``lowering.fused_model``), made on first use."""
+        if fresh not in self._sessions:
+            proto, opt = lowering.training_graph(self._proto, fresh), self._optimizer
+            if opt is not None and opt._fused:
+                proto = lowering.fused_model(proto, opt._spec, self._trained, BUFFER)
+            self._sessions[fresh] = _session(proto, *self._options)
+        return self._sessions[fresh]
+
+    def _run(self, kind: str, fresh: bool = True) -> _Run:
         """The run of ``kind`` ("train", "eval" or "step") bound to the current sides, made on first use."""
-        key = (kind, self._weights.k, self._grads.k)
+        key = (kind, fresh, self._weights.k, self._grads.k)
         if key not in self._runs:
             state, opt = self._state, self._optimizer
             if kind == "eval":
                 run = _Run(self._eval, {n: state._values[n] for n in self._eval_params}, {}, self._eval_outputs)
             elif kind == "train":
                 ins = {n: state._values[n] for n in self._params} | {n + BUFFER: state._grads[n] for n in self._trained}
-                ins |= {RESET: self._flag} if self._has_reset else {}
                 outs = self._grads.spare(BUFFER + lowering.NEXT)
-                if opt is not None and opt._fused is not None:
+                if opt is not None and opt._fused:
                     ins |= opt._inputs()
                     outs |= self._weights.spare(lowering.NEXT)
-                run = _Run(self._train, ins, outs, self._train_outputs)
+                run = _Run(self._session(fresh), ins, outs, self._train_outputs)
             else:
                 ins = opt._inputs() | {n: state._values[n] for n in self._trained}
                 ins |= {n + ".grad": state._grads[n] for n in self._trained}
@@ -340,11 +353,11 @@ class Module:
             outs = self._run("eval")(feeds)
         else:
             opt, self._state._candidate = self._optimizer, None
-            self._flag.numpy()[0] = not self._accumulate  # NOTE: numpy() is a view of the bound value
-            fused = opt is not None and opt._fused is not None
+            fused = opt is not None and opt._fused
             if fused:
                 opt._stage()
-            outs = self._run("train")(feeds)
+            # NOTE: without a lazy_reset_grad input, onnxruntime's accumulator always adds
+            outs = self._run("train", not self._accumulate and self._has_reset)(feeds)
             self._grads.flip()
             # NOTE: the run also wrote candidate parameters and moments from these gradients: ``Optimizer.step``
             # commits them while nothing else changed (same learning rate, no parameter written)
@@ -445,7 +458,8 @@ class Optimizer:
                               np.float32))) for i in range(spec.moments)}
         module._weights.add(self._moments, [f"{n}.momentum{i}" for n in names for i in range(spec.updated_moments)])
         # NOTE: the learning rate and the step count after the update, written in place before each run
-        self._lr_host, self._step_host = _ortvalue(np.zeros(1, np.float32)), _ortvalue(np.zeros(1, np.int64))
+        self._host = np.zeros(1, np.float32), np.zeros(1, np.int64)
+        self._lr_host, self._step_host = map(_ortvalue, self._host)  # NOTE: over the host arrays' memory
         params = [(n, state._meta[n][0], state._meta[n][1]) for n in names]
         # NOTE: one thread: the update is a memory-bound pass; a second thread only waits (2.8x slower on W3
         # on a loaded 2-core machine)
@@ -453,17 +467,17 @@ class Optimizer:
         options.intra_op_num_threads = 1
         self._update = _session(lowering.update_model(spec, params), _providers(module.device), options)
         # NOTE: the training runs compute the update too (candidates; clipping changes the gradients: not fused)
-        self._fused = None if spec.clip is not None else _session(
-            lowering.fused_model(module._lowered, spec, names, BUFFER), *module._options)
-        module._train = self._fused or module._train
+        self._fused = spec.clip is None
         module._optimizer, state._optimizer, state._candidate = self, self, None
         module._runs.clear()
+        module._sessions.clear()
+        module._session(True)
 
     def _inputs(self) -> dict[str, ort.OrtValue]:
         return {"learning_rate": self._lr_host, "step": self._step_host} | self._moments
 
     def _stage(self) -> None:
-        self._lr_host.numpy()[0], self._step_host.numpy()[0] = self._lr, self._step + 1
+        self._host[0][0], self._host[1][0] = self._lr, self._step + 1
 
     def step(self) -> None:
         """One update of every trained parameter from its accumulated gradient: the candidates of the last
