@@ -6,7 +6,8 @@ output (and onnxopt's, as a third column). Each round runs every side in its own
 needs Python <= 3.12, stock onnxruntime this interpreter), alternating, and times ``--steps`` steps after a
 warm-up with the workload's thread count; the figure is the median of the rounds' steps per second.
 
-    PYTHONPATH=src python benchmarks/ort_on_device.py --reference /path/to/python3.11 --reference-path DIR
+    PYTHONPATH=src python benchmarks/ort_on_device.py --reference /path/to/python3.11 --reference-path DIR \
+        [--before OTHER_CHECKOUT/src]
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--reference-path", default=os.environ.get("ONNXOPT_ORT_REFERENCE_PATH", ".ort-reference"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--before", help="another onnxopt src folder, timed as a fourth column on the same artifacts")
     parser.add_argument("--time", nargs=3, metavar=("SIDE", "FOLDER", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.time:
@@ -102,12 +104,15 @@ def main() -> None:
                            env=env, check=True, capture_output=True)
             artifacts.generate_artifacts(model, [i.name for i in model.graph.initializer], loss=getattr(artifacts.LossType, loss),
                                          optimizer=artifacts.OptimType.SGD, artifact_directory=f"{tmp}/{name}-onnxopt")
-        runs = {(w, s): [] for w in WORKLOADS for s in ("ort", "onnxopt", "onnxopt-artifacts")}
+        sides = ["ort", "onnxopt", "onnxopt-artifacts", *(["onnxopt-before"] if args.before else [])]
+        runs = {(w, s): [] for w in WORKLOADS for s in sides}
         for _ in range(args.rounds):
             for w in WORKLOADS:
                 for side, python, folder, e in [("ort", args.reference, f"{tmp}/{w}-ort", env),
                                                 ("onnxopt", sys.executable, f"{tmp}/{w}-ort", here),
-                                                ("onnxopt-artifacts", sys.executable, f"{tmp}/{w}-onnxopt", here)]:
+                                                ("onnxopt-artifacts", sys.executable, f"{tmp}/{w}-onnxopt", here),
+                                                ("onnxopt-before", sys.executable, f"{tmp}/{w}-ort",
+                                                 {**here, "PYTHONPATH": args.before or ""})][:len(sides)]:
                     out = subprocess.run([python, __file__, "--steps", str(args.steps), "--time",
                                           "ort" if side == "ort" else "onnxopt", folder, w],
                                          env=e, check=True, capture_output=True, text=True).stdout
@@ -115,8 +120,8 @@ def main() -> None:
     for w in WORKLOADS:
         ort_rate = statistics.median(runs[w, "ort"])
         cells = [f"{s} {statistics.median(runs[w, s]):,.0f} steps/s ({statistics.median(runs[w, s]) / ort_rate:.2f}x)"
-                 for s in ("ort", "onnxopt", "onnxopt-artifacts")]
-        print(f"{w}: " + ", ".join(cells), "rounds:", {s: [round(v) for v in runs[w, s]] for s in ("ort", "onnxopt")})
+                 for s in sides]
+        print(f"{w}: " + ", ".join(cells), "rounds:", {s: [round(v) for v in runs[w, s]] for s in sides})
 
 
 if __name__ == "__main__":

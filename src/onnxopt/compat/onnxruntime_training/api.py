@@ -1,9 +1,11 @@
 """``onnxruntime.training.api`` on stock onnxruntime: CheckpointState, Module, Optimizer, LinearLRScheduler.
 
-The state (parameters, gradient buffers, moments) lives in ``OrtValue``s that stay bound between calls: each
-training call feeds them to the training model (``lowering.training_graph``: onnxruntime's in-place
-accumulation written as outputs) and keeps the new buffers; each optimizer step runs one standard ONNX
-update model (``lowering.update_model``) over every parameter and keeps the new weights and moments.
+The state (parameters, gradient buffers, moments) lives in ``OrtValue``s bound once to each run (``_Run``): a
+run writes the spare side of what it updates and ``_Swap.flip`` makes it current, so nothing is copied or bound
+again per call. The training model is ``lowering.training_graph`` (onnxruntime's in-place accumulation written as
+outputs); once an ``Optimizer`` exists it is ``lowering.fused_model``, whose run also computes the update from the
+new gradients: ``step()`` commits those candidates when nothing changed since (same learning rate, no parameter
+written), and otherwise runs the update model (``lowering.update_model``), so the results are onnxruntime's.
 Artifacts written by onnxruntime-training's ``generate_artifacts`` or by ``artifacts.generate_artifacts`` load
 alike.
 """
@@ -17,6 +19,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
+from onnxruntime.capi import _pybind_state as C
 
 from onnxopt.compat.onnxruntime_training import checkpoint_fbs, lowering
 from onnxopt.errors import CheckpointError, ModelError
@@ -24,17 +27,14 @@ from onnxopt.errors import CheckpointError, ModelError
 __all__ = ["CheckpointState", "Module", "Optimizer", "LinearLRScheduler", "Parameter"]
 
 BUFFER = "_grad.accumulation.buffer"
-_FLAGS = {b: ort.OrtValue.ortvalue_from_numpy(np.array([b])) for b in (False, True)}  # NOTE: fed read-only
+_HOST = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 RESET = "lazy_reset_grad"
 
 
 def _ortvalue(array) -> ort.OrtValue:
     if isinstance(array, ort.OrtValue):
         return array
-    array = np.ascontiguousarray(array)
-    if array.dtype.kind == "U":  # NOTE: onnxruntime takes strings as an object array
-        array = array.astype(object)
-    return ort.OrtValue.ortvalue_from_numpy(array)
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
 
 
 class Parameter:
@@ -140,6 +140,7 @@ class CheckpointState:
         self._meta = {k: (v.dtype, v.shape) for k, v in params.items()}
         self._values = {k: _ortvalue(v) for k, v in params.items()}
         self._grads: dict[str, ort.OrtValue] = {}
+        self._candidate: float | None = None  # NOTE: the learning rate of the last fused run's candidates, if valid
         self._properties = dict(ckpt.properties)
         self._optimizer_group = ckpt.optimizer_groups[0] if ckpt.optimizer_groups else None
         self._optimizer: Optimizer | None = None
@@ -156,7 +157,8 @@ class CheckpointState:
         if value.shape != tuple(shape) or value.dtype != dtype:
             raise CheckpointError(f"parameter {name!r}: expected {dtype}{list(shape)}, got {value.dtype}"
                                   f"{list(value.shape)}")
-        self._values[name] = _ortvalue(value.copy())
+        self._values[name].update_inplace(np.ascontiguousarray(value))  # NOTE: in place: the value stays bound
+        self._candidate = None
 
     @classmethod
     def load_checkpoint(cls, checkpoint_uri: str | os.PathLike) -> CheckpointState:
@@ -204,32 +206,60 @@ def _providers(device: str) -> list[str]:
     raise ValueError(f"device: expected 'cpu' (or 'cuda' with onnxruntime-gpu), got {device!r}")
 
 
-# NOTE: onnxruntime 1.19's IOBinding.get_outputs() returns views of the binding's outputs, released at the next
-# clear_binding_outputs(); from 1.22 (this package's stock minimum) they are OrtValues of their own
-_BIND = tuple(int(v) for v in ort.__version__.split(".")[:2]) >= (1, 22)
+class _Swap:
+    """Two OrtValues per tensor: the current one sits in the dict its readers use, a run writes the spare one, and
+    ``flip`` makes the spares current. Bindings stay valid (one per side, ``k``) and nothing is copied."""
+
+    def __init__(self):
+        self.k, self.sets = 0, ({}, {})  # NOTE: per side, {name: (view, OrtValue)}
+
+    def add(self, view: dict, names) -> None:
+        for n in names:
+            self.sets[self.k][n] = (view, view[n])
+            self.sets[1 - self.k][n] = (view, _ortvalue(np.empty_like(view[n].numpy())))
+
+    def spare(self, suffix: str = "") -> dict[str, ort.OrtValue]:
+        return {n + suffix: v for n, (_, v) in self.sets[1 - self.k].items()}
+
+    def flip(self) -> None:
+        self.k ^= 1
+        for n, (view, v) in self.sets[self.k].items():
+            view[n] = v
 
 
-def _run(session: ort.InferenceSession, names: list[str], feeds: dict, strings: bool = False) -> list[ort.OrtValue]:
-    """``names`` computed from ``feeds`` (OrtValues), as new OrtValues."""
-    if not strings and not _BIND:
-        return session.run_with_ort_values(names, feeds)
-    if not strings:
-        # NOTE: through an IOBinding kept per session and output list: onnxruntime >= 1.2x's
-        # run_with_ort_values checks every feed in Python, ~80 us a call, most of a small model's step
-        # (outputs bound afresh each call: a bound output of the last call would be written over, and the
-        # state holds it)
-        binding = getattr(session, "_onnxopt_binding", None)
-        if binding is None:
-            binding = session._onnxopt_binding = session.io_binding()
-        binding.clear_binding_outputs()
-        for name in names:
-            binding.bind_output(name, "cpu")
-        for name, value in feeds.items():
-            binding.bind_ortvalue_input(name, value)
-        session.run_with_iobinding(binding)
-        return binding.get_outputs()
-    feeds = {k: v.numpy() if isinstance(v, ort.OrtValue) else v for k, v in feeds.items()}
-    return [_ortvalue(v) for v in session.run(names, feeds)]
+class _Run:
+    """A session run whose state stays bound: ``ins`` and ``outs`` are fixed OrtValues (written in place by the
+    api), the call binds the user's ``feeds`` and returns copies of the ``fetch`` outputs."""
+
+    def __init__(self, session: ort.InferenceSession, ins: dict, outs: dict, fetch: list[str]):
+        names = {i.name for i in session.get_inputs()}  # NOTE: a specialized model may read fewer
+        ins = {n: v for n, v in ins.items() if n in names}
+        self.session, self.ins, self.outs, self.fetch = session, ins, outs, fetch
+        self.raw = session.io_binding()._iobinding  # NOTE: the C binding: no wrapper call per run
+        for n in fetch:
+            self.raw.bind_output(n, _HOST)
+        for n, v in ins.items():
+            self.raw.bind_ortvalue_input(n, v._ortvalue)
+        for n, v in outs.items():
+            self.raw.bind_ortvalue_output(n, v._ortvalue)
+
+    def __call__(self, feeds: dict) -> list[np.ndarray]:
+        if any(type(x) is np.ndarray and x.dtype.kind in "OUS" for x in feeds.values()):  # NOTE: no string OrtValue
+            feeds = {**{n: v.numpy() for n, v in self.ins.items()}, **feeds}
+            done = self.session.run([*self.fetch, *self.outs], feeds)
+            for value, array in zip(self.outs.values(), done[len(self.fetch):]):
+                value.update_inplace(array)
+            return done[:len(self.fetch)]
+        feeds = {n: x if isinstance(x, ort.OrtValue) else np.ascontiguousarray(x) for n, x in feeds.items()}
+        for n, x in feeds.items():  # NOTE: ``feeds`` keeps the arrays alive until the run ends
+            self.raw.bind_ortvalue_input(n, x._ortvalue if isinstance(x, ort.OrtValue) else
+                                         C.OrtValue.ortvalue_from_numpy(x, _HOST))
+        self.session._sess.run_with_iobinding(self.raw, None)
+        outs = self.raw.get_outputs()
+        done = [outs[i].numpy().copy() for i in range(len(self.fetch))]
+        for n in self.fetch:  # NOTE: afresh: onnxruntime would reuse the last buffer, whose shape may not fit
+            self.raw.bind_output(n, _HOST)
+        return done
 
 
 class Module:
@@ -259,7 +289,8 @@ class Module:
         self._train_inputs = [n for n in names if n not in state._requires_grad and n not in buffers and n != RESET]
         self._has_reset = RESET in names
         self._train_outputs = [v.name for v in train.graph.output if not v.name.endswith("_grad.accumulation.out")]
-        self._train = _session(lowering.training_graph(train), providers, session_options)
+        self._proto, self._options, self._sessions, self._optimizer = train, (providers, session_options), {}, None
+        self._session(True)  # NOTE: made now, so that a model that does not lower or load fails here
         self._eval = self._eval_proto = None
         if eval_model_uri is not None:
             self._eval_proto = onnx.load(os.fspath(eval_model_uri))
@@ -268,40 +299,71 @@ class Module:
             self._eval_params = [v.name for v in self._eval_proto.graph.input if v.name in state._requires_grad]
             self._eval_outputs = [v.name for v in self._eval_proto.graph.output]
         self._accumulate = False
-        self._zero_grads()
-
-    def _zero_grads(self) -> None:
         for name in self._trained:
-            dtype, shape = self._state._meta[name]
-            self._state._grads.setdefault(name, _ortvalue(np.zeros(shape, dtype)))
+            dtype, shape = state._meta[name]
+            state._grads[name] = _ortvalue(np.zeros(shape, dtype))
+        # NOTE: parameters (with the optimizer's moments) and gradients each have a spare set the runs write
+        self._weights, self._grads, self._runs = _Swap(), _Swap(), {}
+        self._weights.add(state._values, self._trained)
+        self._grads.add(state._grads, self._trained)
+
+    def _session(self, fresh: bool) -> ort.InferenceSession:
+        """The training session for ``fresh`` gradients (else accumulated), fused with the optimizer's update once
+        one exists (``lowering.fused_model``), made on first use."""
+        if fresh not in self._sessions:
+            proto, opt = lowering.training_graph(self._proto, fresh), self._optimizer
+            if opt is not None and opt._fused:
+                proto = lowering.fused_model(proto, opt._spec, self._trained, BUFFER)
+            self._sessions[fresh] = _session(proto, *self._options)
+        return self._sessions[fresh]
+
+    def _run(self, kind: str, fresh: bool = True) -> _Run:
+        """The run of ``kind`` ("train", "eval" or "step") bound to the current sides, made on first use."""
+        key = (kind, fresh, self._weights.k, self._grads.k)
+        if key not in self._runs:
+            state, opt = self._state, self._optimizer
+            if kind == "eval":
+                run = _Run(self._eval, {n: state._values[n] for n in self._eval_params}, {}, self._eval_outputs)
+            elif kind == "train":
+                ins = {n: state._values[n] for n in self._params} | {n + BUFFER: state._grads[n] for n in self._trained}
+                outs = self._grads.spare(BUFFER + lowering.NEXT)
+                if opt is not None and opt._fused:
+                    ins |= opt._inputs()
+                    outs |= self._weights.spare(lowering.NEXT)
+                run = _Run(self._session(fresh), ins, outs, self._train_outputs)
+            else:
+                ins = opt._inputs() | {n: state._values[n] for n in self._trained}
+                ins |= {n + ".grad": state._grads[n] for n in self._trained}
+                outs = self._weights.spare(lowering.NEXT)
+                outs |= self._grads.spare(".grad" + lowering.NEXT) if opt._spec.clip is not None else {}
+                run = _Run(opt._update, ins, outs, [])
+            self._runs[key] = run
+        return self._runs[key]
 
     def __call__(self, *user_inputs):
         numpy_out = any(not isinstance(x, ort.OrtValue) for x in user_inputs)
-        # NOTE: an OrtValue cannot hold strings: a string input runs the whole call on numpy arrays
-        strings = any(np.asarray(x).dtype.kind in "OUS" for x in user_inputs if not isinstance(x, ort.OrtValue))
-        state = self._state
         self._check_loaded()
         names = self._train_inputs if self.training else self._eval_inputs
         if len(user_inputs) != len(names):
             raise ValueError(f"Module: expected {len(names)} inputs {names}, got {len(user_inputs)}")
-        feeds = dict(zip(names, user_inputs)) if strings else {n: _ortvalue(x) for n, x in zip(names, user_inputs)}
+        feeds = {n: x if isinstance(x, ort.OrtValue) else np.asarray(x) for n, x in zip(names, user_inputs)}
         if not self.training:
             if self._eval is None:
                 raise RuntimeError("Module: no eval model was given (eval_model_uri)")
-            feeds.update({n: state._values[n] for n in self._eval_params})
-            outs = _run(self._eval, self._eval_outputs, feeds, strings)
+            outs = self._run("eval")(feeds)
         else:
-            feeds.update({n: state._values[n] for n in self._params})
-            feeds.update({n + BUFFER: state._grads[n] for n in self._trained})
-            if self._has_reset:
-                feeds[RESET] = _FLAGS[not self._accumulate]
-            fetch = self._train_outputs + [n + BUFFER + lowering.NEXT for n in self._trained]
-            outs = _run(self._train, fetch, feeds, strings)
-            k = len(self._train_outputs)
-            state._grads.update(zip(self._trained, outs[k:]))
-            outs = outs[:k]
+            opt, self._state._candidate = self._optimizer, None
+            fused = opt is not None and opt._fused
+            if fused:
+                opt._stage()
+            # NOTE: without a lazy_reset_grad input, onnxruntime's accumulator always adds
+            outs = self._run("train", not self._accumulate and self._has_reset)(feeds)
+            self._grads.flip()
+            # NOTE: the run also wrote candidate parameters and moments from these gradients: ``Optimizer.step``
+            # commits them while nothing else changed (same learning rate, no parameter written)
+            self._state._candidate = opt._lr if fused else None
             self._accumulate = True
-        outs = [o.numpy() for o in outs] if numpy_out else list(outs)
+        outs = outs if numpy_out else [_ortvalue(o) for o in outs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _check_loaded(self) -> None:
@@ -342,13 +404,12 @@ class Module:
         for n in self._names(trainable_only):
             dtype, shape = state._meta[n]
             count = int(np.prod(shape, dtype=np.int64))
-            state._values[n] = _ortvalue(flat[start:start + count].astype(dtype).reshape(shape))
+            state._set(n, flat[start:start + count].astype(dtype).reshape(shape))
             start += count
         if trainable_only and any(not state._requires_grad[n] for n in self._params) and state._nominal:
             raise CheckpointError("copy_buffer_to_parameters: the state is nominal and has frozen parameters; "
                                   "pass trainable_only=False")
         state._nominal = False
-        self._zero_grads()
 
     def export_model_for_inferencing(self, inference_model_uri: str | os.PathLike,
                                      graph_output_names: list[str]) -> None:
@@ -386,44 +447,50 @@ class Optimizer:
     model); the step count, learning rate and moments start from the checkpoint's optimizer state if any."""
 
     def __init__(self, optimizer_uri: str | os.PathLike, module: Module):
-        self._module, state = module, module._state
-        self._spec = lowering.optimizer_spec(onnx.load(os.fspath(optimizer_uri)))
-        self._names = [n for n in module._trained]
+        self._module, state, names = module, module._state, module._trained
+        self._spec = spec = lowering.optimizer_spec(onnx.load(os.fspath(optimizer_uri)))
         group = state._optimizer_group
         self._step, self._lr = (group.step, group.initial_learning_rate) if group else (0, 1e-3)
         self._moments = {}
-        for n in self._names:
-            dtype, shape = state._meta[n]
+        for n in names:
             saved = group.optimizer_states.get(n, {}) if group else {}
-            self._moments[n] = [_ortvalue(saved.get(f"momentum{i}", np.zeros(shape, np.float32)))
-                                for i in range(self._spec.moments)]
-        params = [(n, state._meta[n][0], state._meta[n][1]) for n in self._names]
+            self._moments |= {f"{n}.momentum{i}": _ortvalue(saved.get(f"momentum{i}", np.zeros(state._meta[n][1],
+                              np.float32))) for i in range(spec.moments)}
+        module._weights.add(self._moments, [f"{n}.momentum{i}" for n in names for i in range(spec.updated_moments)])
+        # NOTE: the learning rate and the step count after the update, written in place before each run
+        self._host = np.zeros(1, np.float32), np.zeros(1, np.int64)
+        self._lr_host, self._step_host = map(_ortvalue, self._host)  # NOTE: over the host arrays' memory
+        params = [(n, state._meta[n][0], state._meta[n][1]) for n in names]
         # NOTE: one thread: the update is a memory-bound pass; a second thread only waits (2.8x slower on W3
         # on a loaded 2-core machine)
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
-        self._update = _session(lowering.update_model(self._spec, params), _providers(module.device), options)
-        clip = [".grad"] if self._spec.clip is not None else []
-        self._outputs = [f"{n}{s}{lowering.NEXT}" for n in self._names
-                         for s in ["", *(f".momentum{i}" for i in range(self._spec.updated_moments)), *clip]]
-        state._optimizer = self
+        self._update = _session(lowering.update_model(spec, params), _providers(module.device), options)
+        # NOTE: the training runs compute the update too (candidates; clipping changes the gradients: not fused)
+        self._fused = spec.clip is None
+        module._optimizer, state._optimizer, state._candidate = self, self, None
+        module._runs.clear()
+        module._sessions.clear()
+        module._session(True)
+
+    def _inputs(self) -> dict[str, ort.OrtValue]:
+        return {"learning_rate": self._lr_host, "step": self._step_host} | self._moments
+
+    def _stage(self) -> None:
+        self._host[0][0], self._host[1][0] = self._lr, self._step + 1
 
     def step(self) -> None:
-        """One update of every trained parameter from its accumulated gradient."""
-        self._module._check_loaded()
-        state = self._module._state
-        feeds = {"learning_rate": _ortvalue(np.array([self._lr], np.float32)),
-                 "step": _ortvalue(np.array([self._step + 1], np.int64))}
-        for n in self._names:
-            feeds[n], feeds[n + ".grad"] = state._values[n], state._grads[n]
-            feeds.update({f"{n}.momentum{i}": m for i, m in enumerate(self._moments[n])})
-        outs = iter(_run(self._update, self._outputs, feeds))
-        for n in self._names:
-            state._values[n] = next(outs)
-            if self._spec.updated_moments:
-                self._moments[n] = [next(outs) for _ in range(self._spec.updated_moments)]
+        """One update of every trained parameter from its accumulated gradient: the candidates of the last
+        training run when they were computed from the same state and learning rate, else a run of the update."""
+        module = self._module
+        module._check_loaded()
+        if module._state._candidate != self._lr:
+            self._stage()
+            module._run("step")({})
             if self._spec.clip is not None:
-                state._grads[n] = next(outs)
+                module._grads.flip()
+        module._weights.flip()
+        module._state._candidate = None
         self._step += 1
 
     def set_learning_rate(self, learning_rate: float) -> None:
@@ -435,7 +502,8 @@ class Optimizer:
     def _group(self) -> checkpoint_fbs.OptimizerGroup:
         return checkpoint_fbs.OptimizerGroup(
             "group0", self._step, self._initial_lr if hasattr(self, "_initial_lr") else self._lr,
-            {n: {f"momentum{i}": m.numpy() for i, m in enumerate(self._moments[n])} for n in self._names})
+            {n: {f"momentum{i}": self._moments[f"{n}.momentum{i}"].numpy() for i in range(self._spec.moments)}
+             for n in self._module._trained})
 
 
 class LinearLRScheduler:

@@ -22,22 +22,32 @@ MS = "com.microsoft"
 NEXT = ".next"  # NOTE: suffix of the output that carries a gradient buffer's new value
 
 
-def training_graph(proto: onnx.ModelProto) -> onnx.ModelProto:
+def training_graph(proto: onnx.ModelProto, fresh: bool | None = None) -> onnx.ModelProto:
     """The training (or eval) model in standard ONNX: each ``InPlaceAccumulatorV2(buffer, grad, reset)`` becomes
-    an output ``<buffer>.next = reset ? grad : buffer + grad`` (its bool flag output is dropped)."""
+    an output ``<buffer>.next = reset ? grad : buffer + grad`` (its bool flag output is dropped). ``fresh`` True or
+    False: the model for that value of ``reset`` (``grad`` or ``buffer + grad``), without the inputs it no longer
+    reads: the accumulation costs 2 nodes per parameter, a quarter of a small model's run."""
     from onnxopt.passes.lower import lower_training_ops
 
     m = ir.from_proto(proto)
     g = m.graph
+    unread = set()
     for node in list(g):
         if node.domain != MS or node.op_type != "InPlaceAccumulatorV2":
             continue
         buf, value = node.inputs[0], node.inputs[1]
         reset = node.inputs[2] if len(node.inputs) > 2 else None
         tape = ir.tape.Tape()
-        acc = tape.op("Add", [buf, value])
-        if reset is not None:
+        if fresh is None or not fresh:
+            acc = tape.op("Add", [buf, value])
+        if reset is not None and fresh is None:
             acc = tape.op("Where", [reset, value, acc])
+        if fresh:  # NOTE: the gradient is written where the buffer's next value is bound: no node at all
+            kept = value.is_graph_input() or value.is_graph_output() or value.is_initializer()
+            acc = tape.op("Identity", [value]) if kept else value
+            unread |= {buf, reset}
+        elif fresh is not None:
+            unread.add(reset)
         acc.name, acc.type, acc.shape = buf.name + NEXT, buf.type, buf.shape
         done = tape.op("Constant", [], {"value": ir.tensor(np.array([True]))})
         g.insert_before(node, tape.nodes)
@@ -51,6 +61,8 @@ def training_graph(proto: onnx.ModelProto) -> onnx.ModelProto:
         g.outputs.append(acc)
     lower_training_ops(m)
     ir.passes.common.RemoveUnusedNodesPass()(m)
+    for v in [v for v in g.inputs if v in unread and not v.uses()]:
+        g.inputs.remove(v)
     m.opset_imports.pop(MS, None)
     m.ir_version = min(m.ir_version, 10)
     return ir.to_proto(m)
@@ -88,23 +100,22 @@ def optimizer_spec(proto: onnx.ModelProto) -> OptimizerSpec:
     return OptimizerSpec(kinds[node.op_type], {k: a.value for k, a in node.attributes.items()}, clip)
 
 
-def update_model(spec: OptimizerSpec, params: Sequence[tuple[str, np.dtype, tuple]], opset: int = 18
-                 ) -> onnx.ModelProto:
-    """The optimizer step as a standard ONNX model. Inputs: ``learning_rate`` [1], ``step`` [1] (the step
-    count after this update, as onnxruntime feeds its kernel), then per parameter ``p``, ``g``, its moments;
-    outputs: per parameter the new ``p`` and AdamW's moments (``<name>.next``), the formulas of onnxruntime's CPU
-    kernels (AdamW modes 0 = PyTorch and 1 = Hugging Face, with or without bias correction)."""
-    tape = ir.tape.Tape()
-    f32 = ir.DataType.FLOAT
+def _value(name: str, dtype=ir.DataType.FLOAT, shape=(1,)) -> ir.Value:
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(list(shape)))
 
-    def value(name, dtype=f32, shape=(1,)):
-        return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(list(shape)))
+
+def _update(tape: ir.tape.Tape, spec: OptimizerSpec, lr: ir.Value, step: ir.Value,
+            params: dict[str, tuple[ir.Value, ir.Value]]) -> tuple[list[ir.Value], list[ir.Value]]:
+    """Adds to ``tape`` the update of each parameter ``{name: (p, g)}``: the formulas of onnxruntime's CPU kernels
+    (AdamW modes 0 = PyTorch and 1 = Hugging Face, with or without bias correction). Returns the moment inputs it
+    reads (``<name>.momentum<i>``) and its outputs: per parameter the new ``p`` and AdamW's moments
+    (``<name>.next``), and the clipped gradient (``<g>.next``) under ``spec.clip``."""
+    f32 = ir.DataType.FLOAT
 
     def c(x: float) -> ir.Value:
         return tape.op("Constant", [], {"value": ir.tensor(np.array(x, np.float32))})
 
-    lr, step = value("learning_rate"), value("step", ir.DataType.INT64)
-    inputs, outputs = [lr, step], []
+    inputs, outputs = [], []
     a = spec.attributes
     if spec.kind == "AdamW":
         alpha, beta, eps = float(a.get("alpha", 0.9)), float(a.get("beta", 0.999)), float(a.get("epsilon", 1e-8))
@@ -120,18 +131,16 @@ def update_model(spec: OptimizerSpec, params: Sequence[tuple[str, np.dtype, tupl
         else:
             ac = bc = c(1.0)
         lr_c = tape.op("Mul", [lr, tape.op("Div", [tape.op("Sqrt", [bc]), ac])])
-    grads = {name: value(name + ".grad", shape=shape) for name, _, shape in params}
-    used = dict(grads)
+    used = {name: g for name, (_, g) in params.items()}
     if spec.clip is not None:  # NOTE: InplaceClipGradNorm: g *= min(max_norm / (||all g||_2 + 1e-6), 1)
-        squares = [tape.op("ReduceSumSquare", [g], {"keepdims": 0}) for g in grads.values()]
+        squares = [tape.op("ReduceSumSquare", [g], {"keepdims": 0}) for g in used.values()]
         total = tape.op("Sqrt", [tape.op("Sum", squares)])
         coef = tape.op("Min", [tape.op("Div", [c(spec.clip), tape.op("Add", [total, c(1e-6)])]), c(1.0)])
-        used = {n: tape.op("Mul", [g, coef]) for n, g in grads.items()}
-    for name, dtype, shape in params:
-        p0 = p = value(name, ir.DataType.from_numpy(np.dtype(dtype)), shape)
-        g = used[name]
-        moments = [value(f"{name}.momentum{i}", shape=shape) for i in range(spec.moments)]
-        inputs += [p0, grads[name], *moments]
+        used = {n: tape.op("Mul", [g, coef]) for n, g in used.items()}
+    for name, (p0, g0) in params.items():
+        p, g = p0, used[name]
+        moments = [_value(f"{name}.momentum{i}", shape=p0.shape) for i in range(spec.moments)]
+        inputs += moments
         if spec.kind == "SGD":  # NOTE: its moment is never read or written: fed through, not copied
             new = [tape.op("Sub", [p, tape.op("Mul", [lr, g])])]
         else:
@@ -150,11 +159,41 @@ def update_model(spec: OptimizerSpec, params: Sequence[tuple[str, np.dtype, tupl
             else:
                 raise ModelError(f"optimizer model: AdamWOptimizer adam_mode must be 0 or 1, got {mode}")
             new = [p, m1, m2]
-        for old, out in zip([p0, *moments], new):
+        olds = [p0, *moments][:len(new)]
+        if spec.clip is not None:  # NOTE: the clipped gradient, which onnxruntime leaves in the buffer
+            new, olds = [*new, g], [*olds, g0]
+        for old, out in zip(olds, new):
             out.name, out.type, out.shape = old.name + NEXT, old.type, old.shape
             outputs.append(out)
-        if spec.clip is not None:  # NOTE: the clipped gradient, which onnxruntime leaves in the buffer
-            g.name, g.type, g.shape = grads[name].name + NEXT, grads[name].type, grads[name].shape
-            outputs.append(g)
+    return inputs, outputs
+
+
+def update_model(spec: OptimizerSpec, params: Sequence[tuple[str, np.dtype, tuple]], opset: int = 18
+                 ) -> onnx.ModelProto:
+    """The optimizer step as a standard ONNX model (``_update``). Inputs: ``learning_rate`` [1], ``step`` [1] (the
+    step count after this update, as onnxruntime feeds its kernel), then per parameter ``p``, ``p.grad``, its
+    moments."""
+    tape = ir.tape.Tape()
+    lr, step = _value("learning_rate"), _value("step", ir.DataType.INT64)
+    pairs = {name: (_value(name, ir.DataType.from_numpy(np.dtype(dtype)), shape), _value(name + ".grad", shape=shape))
+             for name, dtype, shape in params}
+    moments, outputs = _update(tape, spec, lr, step, pairs)
+    inputs = [lr, step, *(v for pair in pairs.values() for v in pair), *moments]
     graph = ir.Graph(inputs, outputs, nodes=tape.nodes, name="optimizer_step", opset_imports={"": opset})
     return ir.to_proto(ir.Model(graph, ir_version=10, producer_name="onnxopt"))
+
+
+def fused_model(train: onnx.ModelProto, spec: OptimizerSpec, trained: Sequence[str], buffer: str) -> onnx.ModelProto:
+    """The lowered training model (``training_graph``) followed by the update of the ``trained`` parameters from
+    their accumulated gradients (``<name><buffer>.next``): one run computes the loss, the gradients and candidate
+    new parameters and moments (``_update``'s outputs; inputs ``learning_rate``, ``step`` and the moments added)."""
+    m = ir.from_proto(train)
+    g = m.graph
+    inputs, outputs = {v.name: v for v in g.inputs}, {v.name: v for v in g.outputs}
+    tape = ir.tape.Tape()
+    lr, step = _value("learning_rate"), _value("step", ir.DataType.INT64)
+    moments, new = _update(tape, spec, lr, step, {n: (inputs[n], outputs[n + buffer + NEXT]) for n in trained})
+    g.extend(tape.nodes)
+    g.inputs.extend([lr, step, *moments])
+    g.outputs.extend(new)
+    return ir.to_proto(m)
