@@ -173,8 +173,9 @@ def cpu_model(step: TrainStep, batch_size: int = 32, threads: int = 1) -> CpuMod
 
 def cuda_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` for the CUDA provider, which leaves a ConvTranspose with uneven pads to the CPU (cuDNN pads both
-    sides alike): the input gradient of a strided Conv (``lower._conv_transpose_to``: pads [1, 1, 0, 0] in R1)
-    becomes one with each axis's smaller pad on both sides, then a Slice crops the rest. The same values: pads
+    sides alike): a ConvTranspose with uneven pads (a user's; R1's strided-Conv input gradient was one, pads
+    [1, 1, 0, 0], before that rule took ``output_padding``) becomes one with each axis's smaller pad on both sides,
+    then a Slice crops the rest. The same values: pads
     only crop the full output. The CPU runs the model as it is (one pass fewer)."""
     m, changed = ir.from_proto(model), False
     for node in list(m.graph):

@@ -41,6 +41,10 @@ PACKED_KEY = "onnxopt.packed"
 CARRY = "carry"
 
 
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode("ascii")
+
+
 def _const(tape: ir.tape.Tape, values: list[int]) -> ir.Value:
     return tape.op("Constant", [], {"value": ir.tensor(np.array(values, np.int64))})
 
@@ -108,11 +112,8 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict | None:
         layout.append([m, offset, declared[m]])
         offset += math.prod(declared[m])
 
-    def b64(data: bytes | None) -> str | None:
-        return None if data is None else base64.b64encode(data).decode("ascii")
-
-    return {"version": 1, "model": b64(ir.to_proto(model).SerializeToString()), "carry": layout,
-            "side": b64(cpu.side), "hoisted": cpu.hoisted, "weight_kept": cpu.weight_kept,
+    return {"version": 1, "model": _b64(ir.to_proto(model).SerializeToString()), "carry": layout,
+            "side": _b64(cpu.side), "hoisted": cpu.hoisted, "weight_kept": cpu.weight_kept,
             "target_shape": None if cpu.target_shape is None else list(cpu.target_shape), "batch_size": batch_size,
             "loss_at": sum(sizes) if loss is not None else None, "counted": counted}
 
@@ -143,7 +144,7 @@ def for_js(step: TrainStep, batch_size: int = 32) -> TrainStep:
     if step.target is None or len(step.inputs) != 1 or not scannable(model):
         return shipped
     epoch = epoch_model(model, batch_inputs, carried, None, step.loss)
-    entry = {"version": 1, "model": base64.b64encode(epoch.SerializeToString()).decode("ascii"),
+    entry = {"version": 1, "model": _b64(epoch.SerializeToString()),
              "batch_inputs": batch_inputs, "carried": carried}
     shipped.model.metadata_props.add(key=EPOCH_KEY, value=json.dumps(entry))
     return shipped

@@ -125,8 +125,8 @@ def run_stages(stages: Sequence[Stage], state: CompileState, until: str | None =
         start = time.perf_counter()
         stage.fn(state)
         seconds = time.perf_counter() - start
-        for names in _RECORDERS:
-            names.append(stage.name)
+        for recorder in _RECORDERS:
+            recorder.append(stage.name)
         unmade = [n for n in stage.leaves if n not in state]
         if unmade:
             raise StageError(f"stage {stage.name!r} did not leave {unmade}")

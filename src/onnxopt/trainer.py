@@ -139,8 +139,8 @@ class Trainer:
         if streamed and self.device == "cpu" and (os.cpu_count() or 1) < 4:
             # NOTE: the reader thread needs the cores ORT's threads would spin on. With 4 CPUs or more the pool
             # keeps spinning, as in memory: waking a sleeping pool before each op grows with its threads, while
-            # the reader (a memmap's copies: W3 21 ms an epoch) finds a CPU (reasoned on 2 cores, measured by
-            # benchmarks/device_check.sh on 16)
+            # the reader (a memmap's copies: W3 21 ms an epoch) finds a CPU (reasoned, not measured against the
+            # sleeping pool; benchmarks/device_check.sh's streaming part ran with it on 16 cores)
             opts = default_session_options(step_work(self.train_step_), batch, spinning=False)
         return Runner(self.train_step_, device=self.device, batch_size=batch, session_options=opts)
 
