@@ -315,3 +315,62 @@ def test_two_ranks_give_one_process_with_the_global_batch(tmp_path):
         moved = max(np.abs(v - start[k]).max() for k, v in want.items())
         off = max(np.abs(got[k] - v).max() for k, v in want.items())
         assert 0 < off < 0.05 * moved, (name, off, moved)
+
+
+SGD = "dict(update='sgd', learning_rate=0.05)"
+AVERAGED = {  # NOTE: runs given the fused step too: mode "weights" where the update is affine in the gradient
+    "w_sgd": dict(batch=24, options=SGD), "w_sgd_weighted": dict(batch=24, options=SGD, weighted=True),
+    "w_nesterov": dict(batch=24, weighted=True, options="dict(update=dsl.updates.nesterov(momentum=0.9), "
+                       "penalty='l2', learning_rate=dsl.schedules.invscaling(eta0=0.05))"),
+    "w_momentum": dict(batch=24, options="dict(update=dsl.updates.momentum(0.9), learning_rate=0.02)"),
+    "g_adam": dict(batch=24, weighted=True, options="dict(update='adam', learning_rate=0.01)"),
+    "g_clip": dict(batch=24, options="dict(update=dsl.updates.sgd(clip_norm=1.0), learning_rate=0.05)"),
+    "w_nan0": dict(batch=24, options=SGD, nan_rank=0), "w_nan1": dict(batch=24, options=SGD, nan_rank=1)}
+
+
+def test_two_ranks_averaging_weights_give_one_process_with_the_global_batch(tmp_path):
+    """2 shm ranks given the fused step, float64, 2 epochs of 97 rows (the last batch's row on rank 1: rank 0 steps
+    with share 0): SGD, momentum, Nesterov with an L2 penalty and a schedule average their weights and state (mode
+    "weights"), Adam and clipped SGD all-reduce gradients; all give the weights and losses of one process with
+    batch 24. A NaN loss on either rank raises ConvergenceError on both, which keep the weights before the step
+    and go on alike."""
+    pytest.importorskip("torch.distributed")
+    rng = np.random.default_rng(7)
+    X, sw = rng.normal(size=(97, 5)), rng.uniform(0.2, 2, 97)
+    y = np.tanh(X @ rng.normal(size=5))
+    np.savez(tmp_path / "d.npz", X=X, y=y, sw=sw)
+    onnx.save(mlp([5, 16, 16, 1], dtype=np.float64), tmp_path / "m.onnx")
+    _launch(dict(data=str(tmp_path / "d.npz"), model=str(tmp_path / "m.onnx"), update="sgd", lr=0.01,
+                 out=str(tmp_path), runs=AVERAGED))
+    for name, run in AVERAGED.items():
+        nan = "nan_rank" in run
+        got = dict(np.load(tmp_path / (f"{name}0.npz" if nan else f"{name}.npz")))
+        assert str(got.pop("reduces")) == ("weights" if name.startswith("w_") else "gradients"), name
+        assert str(got.pop("transport")) == "shm" and int(got.pop("pieces")) == 0, name
+        ref = onnxopt.Runner(onnxopt.compile_train_step(mlp([5, 16, 16, 1], dtype=np.float64), loss="square",
+                                                        **eval(run["options"], {"dsl": dsl})), batch_size=24)
+        w = sw if run.get("weighted") else None
+        losses = [ref.step(X[i:i + 24], y[i:i + 24], None if w is None else w[i:i + 24])
+                  for _ in range(2) for i in range(0, 97, 24)]
+        np.testing.assert_allclose(got.pop("losses"), losses, rtol=1e-12, err_msg=name)
+        if nan:
+            ref.step(X[:24], y[:24])
+            other = dict(np.load(tmp_path / f"{name}1.npz"))
+            for rank_got in (got, other):
+                assert rank_got.pop("raised") and rank_got.pop("kept"), name
+            for k in ref.get_weights():
+                np.testing.assert_array_equal(got[k], other[k], err_msg=f"{name}: {k}")
+        for k, v in ref.get_weights().items():
+            np.testing.assert_allclose(got[k], v, rtol=1e-10, atol=1e-13, err_msg=f"{name}: {k}")
+
+
+@pytest.mark.parametrize("update,expected", [("sgd", True), (dsl.updates.momentum(0.9), True),
+                                             (dsl.updates.nesterov(0.9), True), ("adam", False),
+                                             (dsl.updates.sgd(clip_norm=1.0), False), (dsl.updates.rmsprop(), False)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_affine_tells_the_updates_that_weight_averaging_keeps_exact(update, expected, dtype):
+    """``affine``: updates linear in the gradient given weights and state (with a schedule and an L2 penalty) are;
+    Adam, RMSprop and a clipped SGD are not."""
+    _, upd = distributed.split_step(mlp([5, 8, 1], dtype=dtype), loss="square", update=update, penalty="l2",
+                                    learning_rate=dsl.schedules.invscaling(eta0=0.05))
+    assert distributed.affine(upd) is expected

@@ -46,7 +46,7 @@ from onnxopt.passes.batch import masked_relu_grads
 from onnxopt.runner import Runner, _without_values, cuda_model, default_session_options
 from onnxopt.step import NEW, TrainStep
 
-__all__ = ["DataParallelRunner", "DistributedError", "split_step", "world", "TIMEOUT"]
+__all__ = ["DataParallelRunner", "DistributedError", "affine", "split_step", "world", "TIMEOUT"]
 
 GRADS = "optim.grads"
 TIMEOUT = float(os.environ.get("ONNXOPT_TIMEOUT", 300))  # NOTE: seconds a collective waits for the other ranks
@@ -164,6 +164,37 @@ def split_step(model, update="sgd", learning_rate=1e-2, **kwargs) -> tuple[Train
     upd = compile_train_step(_linear(grad.initial_weights(), m.opset_imports[""]), loss=None, loss_output="loss",
                              update=update, learning_rate=learning_rate)
     return grad, dataclasses.replace(upd, model=_lean(upd.model), inference=grad.inference)
+
+
+def affine(update: TrainStep, share: float = 0.3) -> bool:
+    """Whether ``split_step``'s ``update`` moves weights and state affinely in the gradient: U(a·g₁ + (1-a)·g₂) =
+    a·U(g₁) + (1-a)·U(g₂) from the same weights and state (SGD, momentum, Nesterov, any schedule: yes; Adam,
+    RMSprop, Adagrad, clipping: no). Then averaging the ranks' fused steps by their shares gives the update on the
+    averaged gradient (mode "weights"). Tried on large and small random gradients (clipping shows on the large),
+    from the initial state and after one step, on a throwaway Runner, to rounding (relative to the moves)."""
+    runner, rng = Runner(update, batch_size=1), np.random.default_rng(0)
+    dtype, size = runner.dtype, sum(a.size for a in update.initial_weights().values())
+    tol, eps = (1e-4 if dtype == np.float32 else 1e-9), np.finfo(dtype).eps
+
+    def outcome(start: dict, g: np.ndarray) -> dict:
+        runner.set_weights(start)
+        runner.step(g)
+        return {**runner.get_weights(), **runner.get_state()}
+
+    for scale in (1e3, 1e-3):
+        start = {**runner.get_weights(), **runner.get_state()}
+        g0, g1, g2 = (scale * rng.standard_normal((3, size))).astype(dtype)
+        for _ in range(2):  # NOTE: from the initial state, then from one where momentum is not zero
+            one, two, mix = (outcome(start, g) for g in (g1, g2, (share * g1 + (1 - share) * g2).astype(dtype)))
+            for name, before in start.items():
+                if before.dtype != dtype or not before.size:
+                    continue
+                moved = max(np.abs(one[name] - before).max(), np.abs(two[name] - before).max())
+                off = np.abs(mix[name] - (share * one[name] + (1 - share) * two[name])).max()
+                if off > tol * moved + 8 * eps * np.abs(before).max():
+                    return False
+            start = outcome(start, g0)
+    return True
 
 
 def _ones(value: ir.Value) -> tuple[int, ...] | None:
@@ -375,13 +406,18 @@ class _Shared:
                     raise RuntimeError(f"shared-memory barrier: rank(s) {late} did not reach step {count}")
                 time.sleep(0 if spins < 20000 else 1e-4)
 
-    def reduce(self) -> None:
+    def arrive(self) -> np.ndarray:
+        """The barrier, then this step's slots (every rank's, in rank order), read-only until the next ``arrive``."""
         self._barrier()  # NOTE: every slot of this step written
         slots = self._slots[self._step % 2]
+        self._step += 1  # NOTE: the next step writes the other set
+        return slots
+
+    def reduce(self) -> None:
+        slots = self.arrive()
         np.add(slots[0], slots[1], out=self.result)
         for slot in slots[2:]:
             np.add(self.result, slot, out=self.result)
-        self._step += 1
 
 
 class DataParallelRunner:
@@ -399,7 +435,7 @@ class DataParallelRunner:
 
     def __init__(self, grad: TrainStep, update: TrainStep, device: str = "cpu", batch_size: int = 32,
                  session_options: ort.SessionOptions | None = None, sync_every: int = 1, compress: str | None = None,
-                 transport: str = "auto", buckets: int = 1):
+                 transport: str = "auto", buckets: int = 1, fused: TrainStep | None = None):
         for name, value, ok, expected in (
                 ("device", device, device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
                 ("sync_every", sync_every, type(sync_every) is int and sync_every >= 1, "an integer >= 1"),
@@ -423,8 +459,24 @@ class DataParallelRunner:
                 opts.intra_op_num_threads = cores
             return opts
 
-        self.updater = Runner(update, device, session_options=options(1), batch_size=1)  # NOTE: checks CUDA
+        digest = hashlib.sha256(grad.model.SerializeToString() + update.model.SerializeToString()).hexdigest()
+        self._agree("the compiled steps (model, loss, update, options)",
+                    (digest[:16], sync_every, compress, transport, buckets, fused is not None))
         rows = max(1, batch_size // (self.world * sync_every))
+        self.reduces, self.transport, self._reducer, self._pieces = "gradients", None, None, []
+        self._bindings: dict[tuple, object] = {}
+        self._checked = False
+        if (fused is not None and self._dist is not None and self.world > 1 and device == "cpu" and sync_every == 1
+                and not compress and transport != "gloo" and affine(update)):
+            self.updater = Runner(fused, session_options=options(rows), batch_size=rows)
+            ring = self.updater._ring
+            size = sum(a.size for a in ring.hosts[0] if a.dtype == ring.dtype)  # NOTE: weights and state
+            self._reducer = _Shared.open(self._dist, self.rank, self.world, size, ring.dtype)
+            if self._reducer is not None:  # NOTE: not on one host: the gradient path below (gloo, or shm refused)
+                self.reduces, self.transport, self.x_dtype = "weights", "shm", self.updater.x_dtype
+                self._scratch = None
+                return
+        self.updater = Runner(update, device, session_options=options(1), batch_size=1)  # NOTE: checks CUDA
         if device == "cuda":  # NOTE: gradients staged through host memory (module docstring): no NCCL
             model, providers = cuda_model(grad.model), ["CUDAExecutionProvider", "CPUExecutionProvider"]
         else:  # NOTE: ReluGrad as a masked product, as the Runner's CPU model (-5% W3)
@@ -434,10 +486,6 @@ class DataParallelRunner:
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.x_dtype = _numpy(types[grad.inputs[0]])
         self._y_dtype = _numpy(types[grad.target]) if grad.target else None
-        digest = hashlib.sha256(grad.model.SerializeToString() + update.model.SerializeToString()).hexdigest()
-        self._agree("the compiled steps (model, loss, update, options)",
-                    (digest[:16], sync_every, compress, transport, buckets))
-        self.transport, self._reducer = None, None  # NOTE: one rank reduces nothing
         if self._dist is not None and self.world > 1:
             if transport != "gloo" and not compress:
                 self._reducer = _Shared.open(self._dist, self.rank, self.world, self._size, self.updater.dtype)
@@ -447,7 +495,6 @@ class DataParallelRunner:
             if self._reducer is None:
                 self._reducer = _Gloo(self._dist, self._size, self.updater.dtype, buckets, compress)
             self.transport = "shm" if isinstance(self._reducer, _Shared) else "gloo"
-        self._pieces: list[tuple[ort.InferenceSession, list[tuple[int, int]]]] = []  # NOTE: (session, its slices)
         if isinstance(self._reducer, _Gloo) and buckets > 1 and sync_every == 1:
             sizes = {name: math.prod(shape) for name, shape in self._grad_shapes.items()}
             starts = dict(zip(sizes, np.cumsum([0, *sizes.values()]).tolist()))
@@ -472,8 +519,6 @@ class DataParallelRunner:
         for raw in self._update[1] if self._update and device == "cpu" else []:  # NOTE: CUDA copies each step
             for name, view in self._views(self._result).items():
                 raw.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(view)._ortvalue)
-        self._bindings: dict[tuple, object] = {}
-        self._checked = False
 
     @property
     def roles(self) -> Roles:
@@ -594,6 +639,8 @@ class DataParallelRunner:
             self._checked = True
         lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
         sw = None if sample_weight is None else as_array(sample_weight, self.updater.dtype, "sample_weight")
+        if self.reduces == "weights":
+            return self._average_step(X, y, sw)
         total = n if sw is None else float(sw.sum(dtype=np.float64))  # NOTE: every rank holds the global batch's
         target = None if y is None else as_array(y, self._y_dtype, "y")  # weights: its share needs no collective
         buf, first, k = self._buffer, True, self.sync_every
@@ -641,6 +688,70 @@ class DataParallelRunner:
                                    "get_weights()")
         self._apply()
         return loss
+
+    def _average_step(self, X: np.ndarray, y, sw: np.ndarray | None) -> float:
+        """Mode "weights": the fused step on this rank's rows, then every rank's weights and state averaged by
+        their shares (Σ sᵣ·Aᵣ, in rank order: the same bits on every rank), exact for an update affine in the
+        gradient (``affine``); a rank without rows (or weight) steps on one row with share 0, its result unread."""
+        n, ring, k = len(X), self.updater._ring, self.world
+        bounds = [n * r // k for r in range(k + 1)]
+        weights = [float(b - a) if sw is None else float(sw[a:b].sum(dtype=np.float64))
+                   for a, b in zip(bounds, bounds[1:])]
+        total = sum(weights)
+        shares = [w / total if total > 0 else 0.0 for w in weights]
+        live = [r for r in range(k) if shares[r] > 0]
+        mine, start = shares[self.rank] > 0, ring.current
+        rows = slice(bounds[self.rank], bounds[self.rank + 1]) if mine else slice(0, 1)
+        try:
+            loss = self.updater.step(X[rows], None if y is None else y[rows], sw[rows] if mine and sw is not None
+                                     else None)
+            stepped = True
+        except ConvergenceError:  # NOTE: the Runner stepped back past this step's inputs: back to them
+            loss, stepped = math.nan, False
+            if ring.current != start:
+                ring.advance()
+        slot, offset = self._reducer.buffer, 0
+        for a in self._hosts() if mine and stepped else []:
+            slot[offset:offset + a.size] = a
+            offset += a.size
+        slot[-1] = loss
+        got: list[np.ndarray] = []
+        self._collective(lambda: got.append(self._reducer.arrive()), "the weight average")
+        slots = got[0]
+        loss = sum(shares[r] * float(slots[r, -1]) for r in live) if live else math.nan
+        if not math.isfinite(loss):
+            if stepped:
+                ring.step_back()  # NOTE: every rank keeps the weights before this step
+            raise ConvergenceError(f"loss became {loss} at step {self.updater.step_count + 1}; the weights are "
+                                   f"those before it (step {self.updater.step_count}), see get_weights()")
+        if not stepped:
+            ring.advance()  # NOTE: the failed run wrote this step's set (its step counter too); the average follows
+        equal, offset = all(shares[r] == shares[live[0]] for r in live), 0
+        for a in self._hosts():
+            parts = [slots[r, offset:offset + a.size] for r in live]
+            offset += a.size
+            if len(parts) == 1:
+                np.copyto(a, parts[0])
+            elif equal:  # NOTE: 2 ranks with as many rows: (A₀ + A₁)·0.5, no scratch
+                np.add(parts[0], parts[1], out=a)
+                for part in parts[2:]:
+                    np.add(a, part, out=a)
+                np.multiply(a, shares[live[0]], out=a)
+            if len(parts) == 1 or equal:
+                continue
+            if self._scratch is None or len(self._scratch) < a.size:
+                self._scratch = np.empty(a.size, a.dtype)
+            np.multiply(parts[0], shares[live[0]], out=a)
+            for r, part in zip(live[1:], parts[1:]):
+                tmp = self._scratch[:a.size]
+                np.multiply(part, shares[r], out=tmp)
+                np.add(a, tmp, out=a)
+        return loss
+
+    def _hosts(self) -> list[np.ndarray]:
+        """The float host arrays (weights, state; flat) of the updater's current set, in order."""
+        ring = self.updater._ring
+        return [a.reshape(-1) for a in ring.hosts[ring.current] if a.dtype == ring.dtype]
 
     def _apply(self) -> None:
         """The update on the reduced gradients, each weight's read where it lies in ``_result`` (CUDA: copied up)."""

@@ -134,7 +134,8 @@ class Trainer:
         batch = min(batch, rows) if rows else batch  # NOTE: fit clips batches to the data: sessions are made for that
         if getattr(self, "_parallel", None) is not None:  # NOTE: under torch.distributed (onnxopt.distributed)
             return distributed.DataParallelRunner(*self._parallel, device=self.device, batch_size=self._rows(batch),
-                                                  sync_every=self.sync_every, compress=self.compress)
+                                                  sync_every=self.sync_every, compress=self.compress,
+                                                  fused=getattr(self, "_fused", None))
         opts = None
         if streamed and self.device == "cpu" and (os.cpu_count() or 1) < 4:
             # NOTE: the reader thread needs the cores ORT's threads would spin on. With 4 CPUs or more the pool
@@ -168,12 +169,14 @@ class Trainer:
         kwargs = dict(loss=loss, update=self.update, penalty=self.penalty, learning_rate=self.learning_rate,
                       weights=self.weights, output=output, loss_output=self.loss_output, mode=self.mode,
                       frozen=self.frozen, gradient=getattr(self, "gradient", None))
-        self._parallel = None
+        self._parallel = self._fused = None
         if distributed.world()[1] > 1 or getattr(self, "sync_every", 1) != 1:
             if saved is not None:
                 raise ModelError("model: data-parallel training compiles its gradient and update steps from the "
                                  "ONNX model, got a compiled TrainStep; pass the model")
             self._parallel = distributed.split_step(model, **kwargs)
+            if distributed.world()[1] > 1 and self.sync_every == 1 and self.device == "cpu":  # NOTE: mode "weights"
+                self._fused = compile_train_step(model, **kwargs)
         self.train_step_ = saved or (self._parallel[0] if self._parallel else compile_train_step(model, **kwargs))
         if saved is not None and loss is not None and resolve_loss(loss).target != saved.target_kind:
             raise ModelError(f"loss: the saved step takes {saved.target_kind!r} targets, loss {loss!r} takes "
