@@ -2,13 +2,15 @@
 
 For each workload, alternating ``--rounds`` times: one process with ``Runner`` (the fused step, 1 thread); two
 such processes at once, independent (the *capacity*: what 2 cores give two single-threaded trainings); then
-``DataParallelRunner`` on 2 ranks (processes started here, 1 thread each) with each all-reduce (``shm``: the
-shared-memory one, ``gloo``: TCP loopback; over gloo also with the gradient step split in 2 pieces, the first
+``DataParallelRunner`` on 2 ranks (processes started here, 1 thread each): over shm given the fused step (mode
+"weights": each rank runs the fused step on its rows and the ranks average weights and state, for the workloads'
+SGD-family updates) and without it (mode "gradients": the gradient step, the shared-memory all-reduce of the
+gradients, the update), over gloo (TCP loopback; also with the gradient step split in 2 pieces, the first
 piece's all-reduce overlapping the second) and with ``--sync-every`` K micro-batches per update over shm. Each
 times ``--epochs`` epochs after one untimed epoch; the global batch is the workload's (K times it per update with
 accumulation). Reported: samples/s (median over the rounds), 2 ranks / capacity (targets: >= 0.7 on W3, >= 0.8
-on W5) and / 1 process, the all-reduce's share of a rank's step (waits for the other rank included), and the
-load average at the start and the end (the machine may be shared).
+on W5) and / 1 process, the all-reduce's share of a rank's step (waits for the other rank included; mode
+"gradients"), and the load average at the start and the end (the machine may be shared).
 
     python benchmarks/distributed.py W3 W5 [--epochs 1] [--rounds 3] [--sync-every 4] [--paper] [--quick]
     python benchmarks/distributed.py W3 W5 --bound   (what bounds 2 ranks: CPU time a step, ``bound``)
@@ -61,17 +63,19 @@ def single(name: str, epochs: int) -> float:
     return wl.n * epochs / _timed(lambda: runner.epoch(X, y), epochs)
 
 
-def rank(name: str, epochs: int, transport: str, sync_every: int, buckets: int = 1) -> None:
+def rank(name: str, epochs: int, transport: str, sync_every: int, buckets: int = 1, fused: bool = False) -> None:
     """One rank (RANK/WORLD_SIZE set): prints JSON {samples/s, all-reduce seconds, seconds, all-reduce alone}."""
     wl = WORKLOADS[name]
     X, y = wl.data()
-    steps = distributed.split_step(wl.model(), loss=wl.loss, update=_onnxopt_update(wl.update), learning_rate=wl.lr)
+    kw = dict(loss=wl.loss, update=_onnxopt_update(wl.update), learning_rate=wl.lr)
+    steps = distributed.split_step(wl.model(), **kw)
     rows = wl.batch * sync_every
     runner = distributed.DataParallelRunner(*steps, batch_size=rows, session_options=_options(), transport=transport,
-                                            sync_every=sync_every, buckets=buckets)
+                                            sync_every=sync_every, buckets=buckets,
+                                            fused=onnxopt.compile_train_step(wl.model(), **kw) if fused else None)
     spent, reducer = [0.0], runner._reducer
-    reduce = None if reducer is None else reducer.reduce
-    if reducer is not None and not runner._pieces:  # NOTE: split, the all-reduce overlaps the pieces: not timed
+    reduce = None if reducer is None or runner.reduces == "weights" else reducer.reduce
+    if reduce is not None and not runner._pieces:  # NOTE: split, the all-reduce overlaps the pieces: not timed
 
         def timed_reduce():
             t0 = time.perf_counter()
@@ -82,15 +86,16 @@ def rank(name: str, epochs: int, transport: str, sync_every: int, buckets: int =
     runner.epoch(X, y, batch_size=rows)
     spent[0] = 0.0
     seconds = _timed(lambda: runner.epoch(X, y, batch_size=rows), epochs)
-    alone = 0.0
-    if reducer is not None:  # NOTE: the same all-reduce with no step around it: its own cost
+    alone = math.nan
+    if reduce is not None:  # NOTE: the same all-reduce with no step around it: its own cost
         runner._dist.barrier()
         t0 = time.perf_counter()
         for _ in range(20):
             reduce()
         alone = (time.perf_counter() - t0) / 20
     print(json.dumps({"samples_s": wl.n * epochs / seconds, "allreduce_s": spent[0], "seconds": seconds,
-                      "alone_s": alone, "updates": -(-wl.n // rows) * epochs, "transport": runner.transport}))
+                      "alone_s": alone, "updates": -(-wl.n // rows) * epochs, "transport": runner.transport,
+                      "reduces": runner.reduces}))
 
 
 def _spawn(args: list[str], n: int, env: dict) -> list[str]:
@@ -102,14 +107,15 @@ def _spawn(args: list[str], n: int, env: dict) -> list[str]:
     return [o.strip().splitlines()[-1] for o in outs]
 
 
-def ranks(name: str, n: int, epochs: int, transport: str, sync_every: int = 1, buckets: int = 1) -> dict:
+def ranks(name: str, n: int, epochs: int, transport: str, sync_every: int = 1, buckets: int = 1,
+          fused: bool = False) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
     out = _spawn(["--rank", name, "--epochs", str(epochs), "--transport", transport, "--sync-every",
-                  str(sync_every), "--buckets", str(buckets)], n, env)
+                  str(sync_every), "--buckets", str(buckets), *(["--fused"] if fused else [])], n, env)
     return json.loads(out[0])
 
 
@@ -122,8 +128,9 @@ def capacity(name: str, epochs: int) -> float:
 def bound(name: str) -> None:
     """CPU time a step (``time.process_time``, 1 thread, best of 3 runs of 30 steps: load matters less than to wall
     time) of the fused step on the batch and on half of it, and of a rank's split step on half of it (its gradient
-    step alone, then its update alone): 2 ranks reach at most fused(B) / (2 · split(B/2)) of the capacity, the
-    all-reduce costing nothing."""
+    step alone, then its update alone): in mode "gradients" 2 ranks reach at most fused(B) / (2 · split(B/2)) of the
+    capacity, the all-reduce costing nothing; in mode "weights" fused(B) / (2 · (fused(B/2) + averaging)), the
+    averaging being a rank's copy of its weights and state into its slot and (A₀ + A₁)·0.5 back, the barrier free."""
     wl = WORKLOADS[name]
     X, y = wl.data()
     kw = dict(loss=wl.loss, update=_onnxopt_update(wl.update), learning_rate=wl.lr)
@@ -143,6 +150,22 @@ def bound(name: str) -> None:
     half = wl.batch // 2
     ms = {f"fused, {rows} rows": cpu(onnxopt.Runner(fused, batch_size=rows, session_options=_options()).step, rows)
           for rows in (wl.batch, half)}
+    ring = onnxopt.Runner(fused, batch_size=half, session_options=_options())._ring
+    hosts = [a.reshape(-1).copy() for a in ring.hosts[0] if a.dtype == ring.dtype]
+    slots = np.zeros((2, sum(a.size for a in hosts) + 1), ring.dtype)
+
+    def average(*_) -> None:  # NOTE: as DataParallelRunner._average_step, on copies
+        offset = 0
+        for a in hosts:
+            slots[0, offset:offset + a.size] = a
+            offset += a.size
+        offset = 0
+        for a in hosts:
+            np.add(slots[0, offset:offset + a.size], slots[1, offset:offset + a.size], out=a)
+            np.multiply(a, 0.5, out=a)
+            offset += a.size
+
+    ms["averaging weights and state"] = cpu(average, half)
     rank = distributed.DataParallelRunner(*steps, batch_size=half, session_options=_options())
     ms[f"rank's split step, {half} rows"] = cpu(rank.step, half)
     binding = rank._binding(False)
@@ -155,7 +178,9 @@ def bound(name: str) -> None:
     for key, value in ms.items():
         print(f"| {key} | {value:.2f} |")
     ratio = ms[f"fused, {wl.batch} rows"] / 2 / ms[f"rank's split step, {half} rows"]
-    print(f"| bound on 2 ranks / capacity (free all-reduce) | {ratio:.2f} |")
+    print(f"| bound on 2 ranks / capacity, mode gradients (free all-reduce) | {ratio:.2f} |")
+    ratio = ms[f"fused, {wl.batch} rows"] / 2 / (ms[f"fused, {half} rows"] + ms["averaging weights and state"])
+    print(f"| bound on 2 ranks / capacity, mode weights (free barrier) | {ratio:.2f} |")
 
 
 LINKS = {"10 Gb/s": (10e9 / 8, 50e-6), "100 Gb/s": (100e9 / 8, 10e-6)}  # NOTE: (bytes/s, latency of a message)
@@ -192,14 +217,16 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=4)
     parser.add_argument("--paper", action="store_true", help="print the model on paper, calibrated by one process")
     parser.add_argument("--bound", action="store_true", help="print instead what bounds 2 ranks (CPU time a step)")
-    parser.add_argument("--quick", action="store_true", help="only shm and gloo in 2 pieces (the others: nan)")
+    parser.add_argument("--quick", action="store_true",
+                        help="only shm (both modes) and gloo in 2 pieces (the others: nan)")
     parser.add_argument("--rank", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--single", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--buckets", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
-        return rank(args.rank, args.epochs, args.transport, args.sync_every, args.buckets)
+        return rank(args.rank, args.epochs, args.transport, args.sync_every, args.buckets, args.fused)
     if args.single:
         return print(single(args.single, args.epochs))
     k = args.sync_every
@@ -212,27 +239,31 @@ def main() -> None:
             paper(name, WORKLOADS[name].batch / single(name, args.epochs), k)
         return None
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")
-    print(f"| workload | 1 process (samples/s) | capacity: 2 processes | 2 ranks shm | 2 ranks gloo | 2 ranks gloo, "
-          f"step in 2 pieces | 2 ranks shm, sync every {k} | shm / capacity | gloo / capacity | gloo 2 pieces / "
-          f"capacity | shm K={k} / capacity | shm / 1 process | all-reduce share: shm, gloo | all-reduce alone (ms): "
-          "shm, gloo |")
-    print("| --- " * 14 + "|")
+    print(f"| workload | 1 process (samples/s) | capacity: 2 processes | 2 ranks shm | 2 ranks shm, gradients "
+          f"| 2 ranks gloo | 2 ranks gloo, step in 2 pieces | 2 ranks shm, sync every {k} | shm / capacity | shm gradients / "
+          f"capacity | gloo / capacity | gloo 2 pieces / capacity | shm K={k} / capacity | shm / 1 process | "
+          "all-reduce share: shm gradients, gloo | all-reduce alone (ms): shm, gloo |")
+    print("| --- " * 16 + "|")
     med = statistics.median
     for name in args.workloads:
         rows = []
         for _ in range(args.rounds):
             one, cap = single(name, args.epochs), capacity(name, args.epochs)
             skipped = {"samples_s": math.nan, "allreduce_s": math.nan, "seconds": 1.0, "alone_s": math.nan}
-            shm, split = ranks(name, 2, args.epochs, "shm"), ranks(name, 2, args.epochs, "gloo", 1, 2)
+            shm, grads = ranks(name, 2, args.epochs, "shm", fused=True), ranks(name, 2, args.epochs, "shm")
+            split = ranks(name, 2, args.epochs, "gloo", 1, 2)
             gloo = skipped if args.quick else ranks(name, 2, args.epochs, "gloo")
             acc = skipped if args.quick else ranks(name, 2, args.epochs, "shm", k)
-            rows.append((one, cap, shm["samples_s"], gloo["samples_s"], split["samples_s"], acc["samples_s"],
-                         shm["allreduce_s"] / shm["seconds"], gloo["allreduce_s"] / gloo["seconds"],
-                         1e3 * shm["alone_s"], 1e3 * gloo["alone_s"]))
-            print("  round:", " ".join(f"{v:.3g}" for v in rows[-1]), f"load {os.getloadavg()[0]:.2f}", flush=True)
-        one, cap, shm, gloo, split, acc, s_share, g_share, s_alone, g_alone = (med(col) for col in zip(*rows))
-        print(f"| {name} | {one:.0f} | {cap:.0f} | {shm:.0f} | {gloo:.0f} | {split:.0f} | {acc:.0f} | {shm / cap:.2f} "
-              f"(rounds {', '.join(f'{r[2] / r[1]:.2f}' for r in rows)}) | {gloo / cap:.2f} | {split / cap:.2f} | "
+            rows.append((one, cap, shm["samples_s"], grads["samples_s"], gloo["samples_s"], split["samples_s"],
+                         acc["samples_s"], grads["allreduce_s"] / grads["seconds"],
+                         gloo["allreduce_s"] / gloo["seconds"],
+                         1e3 * grads["alone_s"], 1e3 * gloo["alone_s"]))
+            print("  round:", " ".join(f"{v:.3g}" for v in rows[-1]), f"load {os.getloadavg()[0]:.2f}, shm mode "
+                  f"{shm['reduces']!r}", flush=True)
+        one, cap, shm, grads, gloo, split, acc, s_share, g_share, s_alone, g_alone = (med(col) for col in zip(*rows))
+        print(f"| {name} | {one:.0f} | {cap:.0f} | {shm:.0f} | {grads:.0f} | {gloo:.0f} | {split:.0f} | {acc:.0f} | "
+              f"{shm / cap:.2f} (rounds {', '.join(f'{r[2] / r[1]:.2f}' for r in rows)}) | {grads / cap:.2f} (rounds "
+              f"{', '.join(f'{r[3] / r[1]:.2f}' for r in rows)}) | {gloo / cap:.2f} | {split / cap:.2f} | "
               f"{acc / cap:.2f} | "
               f"{shm / one:.2f} | {100 * s_share:.0f}%, {100 * g_share:.0f}% | {s_alone:.2f}, {g_alone:.2f} |",
               flush=True)

@@ -3,8 +3,9 @@
 Usage: python distributed_worker.py '<json config>' (RANK, WORLD_SIZE, MASTER_ADDR/PORT set by the test).
 fault: "kill" (rank 1 SIGKILLs itself in epoch 2), "hang" (rank 1 sleeps there), "disagree" (rank 1's learning
 rate differs), None. With "runs" in the config: DataParallelRunner epochs for each run's options instead (rank 0
-writes each run's weights, losses, transport and mode to "out"/<run>.npz; a run with "options" passes the fused step
-too, one with "nan_rank" then steps on a batch with a NaN target in that rank's rows and each rank writes <run><rank>.npz).
+writes each run's weights, losses, transport and mode to "out"/<run>.npz; a run with "options" passes the fused
+step too, one with "nan_rank" then steps on a batch with a NaN target in that rank's rows and each rank writes
+<run><rank>.npz).
 """
 
 import atexit
