@@ -15,6 +15,12 @@ update: N ranks with a global batch B give the weights of one process with batch
 ``sync_every`` K accumulates K micro-batches first (one process with batch K·B). torch is imported only when a
 launcher set ``WORLD_SIZE`` or torch is already loaded.
 
+Mode "weights" (shm ranks given the fused step, sync_every 1, CPU): for an update affine in the gradient given the
+weights and state (``affine``: SGD, momentum, Nesterov, any penalty or schedule), rank r runs the fused step on its
+rows, Aᵣ = U(W, S, gᵣ + p(W)), and every rank writes Σᵣ sᵣ·Aᵣ = U(W, S, Σᵣ sᵣ·gᵣ + p(W)) (Σ sᵣ = 1) back into its
+weights and state: one process's update on the global batch, to float rounding, with the update fused into the
+backward's Gemms instead of a second session reading the gradients back.
+
 On CUDA (``device="cuda"``) each rank's steps run on GPU 0 (weights, state and the update on the device), and
 the gradient step writes its gradients into the same host buffer, which shm or gloo all-reduce and the update
 reads back: host staging, one copy each way per step. NCCL is not used: it needs one GPU per rank (two ranks on
@@ -429,8 +435,12 @@ class DataParallelRunner:
     ``buckets`` > 1 the gradient step split into that many pieces (``pieces``), each bucket's all-reduce started as
     its piece ends; ``compress``="bf16" or "fp16" halves the bytes sent: not bit-equal) or "auto" (shm where every
     rank maps it and nothing is compressed, else gloo). ``device``: "cpu" or "cuda" (gradients staged through host
-    memory: the module's docstring). Weights, state, ``export`` and the
-    rest of the ``Runner`` API come from the update step's Runner (``updater``); rank 0 alone writes checkpoints.
+    memory: the module's docstring). ``fused``: the fused step (``compile_train_step`` with the same options); with
+    shm ranks on the CPU, ``sync_every`` 1 and an update ``affine`` in the gradient, each rank runs it on its rows
+    and the ranks average weights and state by their shares (``reduces`` "weights", as exact: the module's
+    docstring), else they all-reduce gradients (``reduces`` "gradients"). Weights, state, ``export`` and the
+    rest of the ``Runner`` API come from ``updater`` (the update step's Runner, or the fused step's in mode
+    "weights"); rank 0 alone writes checkpoints.
     """
 
     def __init__(self, grad: TrainStep, update: TrainStep, device: str = "cpu", batch_size: int = 32,
