@@ -130,7 +130,7 @@ def bound(name: str) -> None:
     time) of the fused step on the batch and on half of it, and of a rank's split step on half of it (its gradient
     step alone, then its update alone): in mode "gradients" 2 ranks reach at most fused(B) / (2 · split(B/2)) of the
     capacity, the all-reduce costing nothing; in mode "weights" fused(B) / (2 · (fused(B/2) + averaging)), the
-    averaging being a rank's copy of its weights and state into its slot and (A₀ + A₁)·0.5 back, the barrier free."""
+    averaging being a rank's 0.5·A into its slot and the sum of the two slots back, the barrier free."""
     wl = WORKLOADS[name]
     X, y = wl.data()
     kw = dict(loss=wl.loss, update=_onnxopt_update(wl.update), learning_rate=wl.lr)
@@ -157,12 +157,11 @@ def bound(name: str) -> None:
     def average(*_) -> None:  # NOTE: as DataParallelRunner._average_step, on copies
         offset = 0
         for a in hosts:
-            slots[0, offset:offset + a.size] = a
+            np.multiply(a, 0.5, out=slots[0, offset:offset + a.size])
             offset += a.size
         offset = 0
         for a in hosts:
             np.add(slots[0, offset:offset + a.size], slots[1, offset:offset + a.size], out=a)
-            np.multiply(a, 0.5, out=a)
             offset += a.size
 
     ms["averaging weights and state"] = cpu(average, half)

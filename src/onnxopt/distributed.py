@@ -484,7 +484,6 @@ class DataParallelRunner:
             self._reducer = _Shared.open(self._dist, self.rank, self.world, size, ring.dtype)
             if self._reducer is not None:  # NOTE: not on one host: the gradient path below (gloo, or shm refused)
                 self.reduces, self.transport, self.x_dtype = "weights", "shm", self.updater.x_dtype
-                self._scratch = None
                 return
         self.updater = Runner(update, device, session_options=options(1), batch_size=1)  # NOTE: checks CUDA
         if device == "cuda":  # NOTE: gradients staged through host memory (module docstring): no NCCL
@@ -720,9 +719,9 @@ class DataParallelRunner:
             loss, stepped = math.nan, False
             if ring.current != start:
                 ring.advance()
-        slot, offset = self._reducer.buffer, 0
-        for a in self._hosts() if mine and stepped else []:
-            slot[offset:offset + a.size] = a
+        slot, offset, share = self._reducer.buffer, 0, shares[self.rank]
+        for a in self._hosts() if mine and stepped else []:  # NOTE: sᵣ·Aᵣ, scaled by its writer: a pass fewer
+            np.multiply(a, share, out=slot[offset:offset + a.size])
             offset += a.size
         slot[-1] = loss
         got: list[np.ndarray] = []
@@ -736,26 +735,16 @@ class DataParallelRunner:
                                    f"those before it (step {self.updater.step_count}), see get_weights()")
         if not stepped:
             ring.advance()  # NOTE: the failed run wrote this step's set (its step counter too); the average follows
-        equal, offset = all(shares[r] == shares[live[0]] for r in live), 0
-        for a in self._hosts():
+        offset = 0
+        for a in self._hosts():  # NOTE: Σ sᵣ·Aᵣ in rank order from the slots: the same bits on every rank
             parts = [slots[r, offset:offset + a.size] for r in live]
             offset += a.size
             if len(parts) == 1:
                 np.copyto(a, parts[0])
-            elif equal:  # NOTE: 2 ranks with as many rows: (A₀ + A₁)·0.5, no scratch
+            else:  # NOTE: 2 ranks: one pass, s₀·A₀ + s₁·A₁
                 np.add(parts[0], parts[1], out=a)
-                for part in parts[2:]:
-                    np.add(a, part, out=a)
-                np.multiply(a, shares[live[0]], out=a)
-            if len(parts) == 1 or equal:
-                continue
-            if self._scratch is None or len(self._scratch) < a.size:
-                self._scratch = np.empty(a.size, a.dtype)
-            np.multiply(parts[0], shares[live[0]], out=a)
-            for r, part in zip(live[1:], parts[1:]):
-                tmp = self._scratch[:a.size]
-                np.multiply(part, shares[r], out=tmp)
-                np.add(a, tmp, out=a)
+            for part in parts[2:]:
+                np.add(a, part, out=a)
         return loss
 
     def _hosts(self) -> list[np.ndarray]:
