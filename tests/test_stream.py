@@ -85,9 +85,10 @@ def test_stream_sources_train_like_arrays(kind, data, tmp_path):
 
 
 @pytest.mark.parametrize("cpus", [2, 16])
-def test_streamed_fit_sessions_spin_where_the_reader_has_a_cpu(data, cpus, monkeypatch):
-    """On fewer than 4 CPUs a streamed fit's reader thread needs the cores: onnxruntime's threads sleep between ops
-    instead of spinning. On more, and for arrays, they keep their default, spinning."""
+def test_streamed_fit_sessions_spin_where_the_reader_has_a_cpu(data, cpus, monkeypatch, tmp_path):
+    """On fewer than 4 CPUs a streamed fit's reader thread needs the cores when it decodes (the user's batches,
+    Parquet): onnxruntime's threads sleep between ops instead of spinning. On more, for arrays, and for an .npy
+    folder (its reader only copies from memmaps), they keep their default, spinning."""
     X, y, _ = data
     key = "session.intra_op.allow_spinning"
     monkeypatch.setattr(onnxopt.trainer.os, "cpu_count", lambda: cpus)
@@ -99,6 +100,11 @@ def test_streamed_fit_sessions_spin_where_the_reader_has_a_cpu(data, cpus, monke
             got.runner_._opts.get_session_config_entry(key)
     with pytest.raises(Exception, match=key):
         _fit(X, y).runner_._opts.get_session_config_entry(key)
+    (tmp_path / "npy").mkdir()
+    np.save(tmp_path / "npy" / "X.npy", X)
+    np.save(tmp_path / "npy" / "y.npy", y)
+    with pytest.raises(Exception, match=key):
+        _fit(str(tmp_path / "npy")).runner_._opts.get_session_config_entry(key)
 
 
 def test_parquet_sample_weight_column_and_features(data, tmp_path):

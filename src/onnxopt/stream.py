@@ -94,6 +94,7 @@ class _Chunks:
     shuffled by chunk, held out by row (``held_rows``). ``width``: bytes of a row as stored."""
 
     batched, n, rows, width = False, 0, None, 1
+    decodes = True  # NOTE: whether reading costs CPU beyond copies (the Trainer's pool then sleeps between ops)
 
     @property
     def small(self) -> bool:
@@ -126,7 +127,7 @@ class _Chunks:
 class _Batches:
     """The user's batches, each one step, in their order (an iterable iterated again each epoch)."""
 
-    batched, n, rows, small = True, None, None, False
+    batched, n, rows, small, decodes = True, None, None, False, True  # NOTE: the user's iterable may compute
 
     def __init__(self, source):
         self.source = source
@@ -146,6 +147,8 @@ class _Batches:
 
 
 class _Memmap(_Chunks):
+    decodes = False
+
     def __init__(self, X, y, sw):
         self.arrays, self.rows = (X, y, sw), len(X)
         self.n = -(-len(X) // MEMMAP_ROWS)
@@ -155,7 +158,10 @@ class _Memmap(_Chunks):
     def _read(self, k: int, rows: int):
         for a in range(k * MEMMAP_ROWS, min((k + 1) * MEMMAP_ROWS, self.rows), rows):
             end = min(a + rows, (k + 1) * MEMMAP_ROWS)
-            yield tuple(None if v is None else np.array(v[a:end]) for v in self.arrays)
+            yield tuple(None if v is None else v[a:end] for v in self.arrays)  # NOTE: ``blocks`` copies them once
+
+    def read_all(self) -> tuple:
+        return tuple(None if a is None else np.array(a) for a in super().read_all())  # NOTE: not views of the file
 
 
 class _Parquet(_Chunks):

@@ -129,7 +129,7 @@ class Trainer:
             self._predictor = self._evaluator = None
 
     # -- setup -------------------------------------------------------------------------------------------
-    def _make_runner(self, streamed: bool = False, rows: int | None = None) -> Runner:
+    def _make_runner(self, decoded: bool = False, rows: int | None = None) -> Runner:
         batch = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 32
         batch = min(batch, rows) if rows else batch  # NOTE: fit clips batches to the data: sessions are made for that
         if getattr(self, "_parallel", None) is not None:  # NOTE: under torch.distributed (onnxopt.distributed)
@@ -137,11 +137,11 @@ class Trainer:
                                                   sync_every=self.sync_every, compress=self.compress,
                                                   fused=getattr(self, "_fused", None))
         opts = None
-        if streamed and self.device == "cpu" and (os.cpu_count() or 1) < 4:
-            # NOTE: the reader thread needs the cores ORT's threads would spin on. With 4 CPUs or more the pool
-            # keeps spinning, as in memory: waking a sleeping pool before each op grows with its threads, while
-            # the reader (a memmap's copies: W3 21 ms an epoch) finds a CPU (reasoned, not measured against the
-            # sleeping pool; benchmarks/device_check.sh's streaming part ran with it on 16 cores)
+        if decoded and self.device == "cpu" and (os.cpu_count() or 1) < 4:
+            # NOTE: a reader that decodes (Parquet, the user's batches) needs the cores ORT's threads would spin on.
+            # A memmap's reader only copies (W3: 13 ms an epoch of 300): the pool spins, as in memory (W3 from
+            # .npy on 2 cores: 0.91 of in memory spinning, 0.88 sleeping, in one run). With 4 CPUs or more it
+            # spins: waking a sleeping pool before each op grows with its threads, while the reader finds a CPU
             opts = default_session_options(step_work(self.train_step_), batch, spinning=False)
         return Runner(self.train_step_, device=self.device, batch_size=batch, session_options=opts)
 
@@ -188,7 +188,7 @@ class Trainer:
         source = stream.as_stream(X)  # NOTE: the rows fit has: its batches are clipped to them
         n = getattr(source, "rows", None) if source is not None else np.shape(X)[0] if _in_memory(X) and np.ndim(X) \
             else None
-        self.runner_ = self._make_runner(streamed=source is not None, rows=n)
+        self.runner_ = self._make_runner(decoded=source is not None and source.decodes, rows=n)
         self._loss = resolve_loss(loss) if loss is not None else None
         self._kind = _task(self._loss)
         self.n_iter_, self.train_losses_, self.validation_losses_ = 0, [], []

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 
 import onnx
-import onnx_ir as ir
 
 from onnxopt.compat.onnxruntime_training.onnxblock import blocks
 
