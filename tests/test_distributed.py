@@ -366,11 +366,12 @@ def test_two_ranks_averaging_weights_give_one_process_with_the_global_batch(tmp_
 
 @pytest.mark.parametrize("update,expected", [("sgd", True), (dsl.updates.momentum(0.9), True),
                                              (dsl.updates.nesterov(0.9), True), ("adam", False),
-                                             (dsl.updates.sgd(clip_norm=1.0), False), (dsl.updates.rmsprop(), False)])
+                                             (dsl.updates.sgd(clip_norm=1.0), False), (dsl.updates.rmsprop(), False),
+                                             (dsl.updates.sgd(clip_norm=1e12), False)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_affine_tells_the_updates_that_weight_averaging_keeps_exact(update, expected, dtype):
     """``affine``: updates linear in the gradient given weights and state (with a schedule and an L2 penalty) are;
-    Adam, RMSprop and a clipped SGD are not."""
+    Adam, RMSprop and a clipped SGD are not, even clipped at a norm no training reaches (1e12)."""
     _, upd = distributed.split_step(mlp([5, 8, 1], dtype=dtype), loss="square", update=update, penalty="l2",
                                     learning_rate=dsl.schedules.invscaling(eta0=0.05))
     assert distributed.affine(upd) is expected

@@ -176,8 +176,9 @@ def affine(update: TrainStep, share: float = 0.3) -> bool:
     """Whether ``split_step``'s ``update`` moves weights and state affinely in the gradient: U(a·g₁ + (1-a)·g₂) =
     a·U(g₁) + (1-a)·U(g₂) from the same weights and state (SGD, momentum, Nesterov, any schedule: yes; Adam,
     RMSprop, Adagrad, clipping: no). Then averaging the ranks' fused steps by their shares gives the update on the
-    averaged gradient (mode "weights"). Tried on large and small random gradients (clipping shows on the large),
-    from the initial state and after one step, on a throwaway Runner, to rounding (relative to the moves)."""
+    averaged gradient (mode "weights"). Tried on small, large and near-overflow random gradients (a clip shows on
+    those above its norm: the last pass any ``clip_norm`` a float can hold), from the initial state and after one
+    step, on a throwaway Runner, to rounding (relative to the moves); a step that overflows counts as not affine."""
     runner, rng = Runner(update, batch_size=1), np.random.default_rng(0)
     dtype, size = runner.dtype, sum(a.size for a in update.initial_weights().values())
     tol, eps = (1e-4 if dtype == np.float32 else 1e-9), np.finfo(dtype).eps
@@ -187,11 +188,15 @@ def affine(update: TrainStep, share: float = 0.3) -> bool:
         runner.step(g)
         return {**runner.get_weights(), **runner.get_state()}
 
-    for scale in (1e3, 1e-3):
+    huge = 1e-3 * math.sqrt(float(np.finfo(dtype).max) / size)  # NOTE: the norm's square still a finite float
+    for scale in (1e3, 1e-3, huge):
         start = {**runner.get_weights(), **runner.get_state()}
         g0, g1, g2 = (scale * rng.standard_normal((3, size))).astype(dtype)
         for _ in range(2):  # NOTE: from the initial state, then from one where momentum is not zero
-            one, two, mix = (outcome(start, g) for g in (g1, g2, (share * g1 + (1 - share) * g2).astype(dtype)))
+            try:
+                one, two, mix = (outcome(start, g) for g in (g1, g2, (share * g1 + (1 - share) * g2).astype(dtype)))
+            except ConvergenceError:
+                return False
             for name, before in start.items():
                 if before.dtype != dtype or not before.size:
                     continue
