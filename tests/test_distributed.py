@@ -244,6 +244,16 @@ def test_data_parallel_on_cuda_without_the_provider_is_one_clear_error():
         distributed.DataParallelRunner(*steps, device="cuda")
 
 
+def _saved_data(tmp_path, seed: int):
+    """97 rows of 5 float64 features, targets and sample weights (d.npz) and a float64 MLP (m.onnx) in tmp_path."""
+    rng = np.random.default_rng(seed)
+    X, sw = rng.normal(size=(97, 5)), rng.uniform(0.2, 2, 97)
+    y = np.tanh(X @ rng.normal(size=5))
+    np.savez(tmp_path / "d.npz", X=X, y=y, sw=sw)
+    onnx.save(mlp([5, 16, 16, 1], dtype=np.float64), tmp_path / "m.onnx")
+    return X, y, sw
+
+
 @pytest.mark.skipif(not CUDA, reason="needs onnxruntime-gpu's CUDAExecutionProvider and a GPU")
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_two_ranks_on_cuda_give_one_process_with_the_global_batch(transport, tmp_path):
@@ -251,11 +261,7 @@ def test_two_ranks_on_cuda_give_one_process_with_the_global_batch(transport, tmp
     gloo (buckets: the split step's pieces pass values on the device): float64, Adam, the weights of one CPU
     process with batch 24 to float64 rounding (the GPU's sums run in another order)."""
     pytest.importorskip("torch.distributed")
-    rng = np.random.default_rng(6)
-    X, sw = rng.normal(size=(97, 5)), rng.uniform(0.2, 2, 97)
-    y = np.tanh(X @ rng.normal(size=5))
-    np.savez(tmp_path / "d.npz", X=X, y=y, sw=sw)
-    onnx.save(mlp([5, 16, 16, 1], dtype=np.float64), tmp_path / "m.onnx")
+    X, y, sw = _saved_data(tmp_path, 6)
     runs = {"cuda": dict(batch=24, transport=transport, device="cuda", weighted=True,
                          buckets=2 if transport == "gloo" else 1)}
     _launch(dict(data=str(tmp_path / "d.npz"), model=str(tmp_path / "m.onnx"), update="adam", lr=0.01,
@@ -284,11 +290,7 @@ def test_two_ranks_give_one_process_with_the_global_batch(tmp_path):
     the weights of one process with batch 24, to float64 rounding; bf16 and fp16 compression come close to them
     (relative to how far training moved the weights), not equal."""
     pytest.importorskip("torch.distributed")
-    rng = np.random.default_rng(6)
-    X, sw = rng.normal(size=(97, 5)), rng.uniform(0.2, 2, 97)
-    y = np.tanh(X @ rng.normal(size=5))
-    np.savez(tmp_path / "d.npz", X=X, y=y, sw=sw)
-    onnx.save(mlp([5, 16, 16, 1], dtype=np.float64), tmp_path / "m.onnx")
+    X, y, sw = _saved_data(tmp_path, 6)
     np.savez(tmp_path / "d32.npz", X=X.astype(np.float32), y=y.astype(np.float32), sw=sw.astype(np.float32))
     onnx.save(mlp([5, 16, 16, 1]), tmp_path / "m32.onnx")
     exact = {k: v for k, v in RUNS.items() if "compress" not in v}
@@ -335,11 +337,7 @@ def test_two_ranks_averaging_weights_give_one_process_with_the_global_batch(tmp_
     batch 24. A NaN loss on either rank raises ConvergenceError on both, which keep the weights before the step
     and go on alike."""
     pytest.importorskip("torch.distributed")
-    rng = np.random.default_rng(7)
-    X, sw = rng.normal(size=(97, 5)), rng.uniform(0.2, 2, 97)
-    y = np.tanh(X @ rng.normal(size=5))
-    np.savez(tmp_path / "d.npz", X=X, y=y, sw=sw)
-    onnx.save(mlp([5, 16, 16, 1], dtype=np.float64), tmp_path / "m.onnx")
+    X, y, sw = _saved_data(tmp_path, 7)
     _launch(dict(data=str(tmp_path / "d.npz"), model=str(tmp_path / "m.onnx"), update="sgd", lr=0.01,
                  out=str(tmp_path), runs=AVERAGED))
     for name, run in AVERAGED.items():
