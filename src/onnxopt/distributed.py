@@ -208,6 +208,15 @@ def affine(update: TrainStep, share: float = 0.3) -> bool:
     return True
 
 
+def _averages(update: TrainStep, device: str = "cpu", sync_every: int = 1, compress: str | None = None,
+              transport: str = "auto") -> bool:
+    """Whether ranks of this process group with these options train in mode "weights" given the fused step (shm
+    permitting): CPU, no accumulation, no compression, not forced onto gloo, and ``update`` ``affine``. The Trainer
+    compiles the fused step only then."""
+    return (world()[1] > 1 and device == "cpu" and sync_every == 1 and not compress and transport != "gloo"
+            and affine(update))
+
+
 def _ones(value: ir.Value) -> tuple[int, ...] | None:
     """The shape of ``value`` when it is a constant of ones or the ``Expand`` of one to a constant shape."""
     const = lambda v: ir.convenience.get_const_tensor(v)  # noqa: E731
@@ -481,12 +490,10 @@ class DataParallelRunner:
         self.reduces, self.transport, self._reducer, self._pieces = "gradients", None, None, []
         self._bindings: dict[tuple, object] = {}
         self._checked = False
-        if (fused is not None and self._dist is not None and self.world > 1 and device == "cpu" and sync_every == 1
-                and not compress and transport != "gloo" and affine(update)):
+        if fused is not None and _averages(update, device, sync_every, compress, transport):
             self.updater = Runner(fused, session_options=options(rows), batch_size=rows)
-            ring = self.updater._ring
-            size = sum(a.size for a in ring.hosts[0] if a.dtype == ring.dtype)  # NOTE: weights and state
-            self._reducer = _Shared.open(self._dist, self.rank, self.world, size, ring.dtype)
+            size = sum(a.size for a in self._hosts())  # NOTE: weights and state
+            self._reducer = _Shared.open(self._dist, self.rank, self.world, size, self.updater._ring.dtype)
             if self._reducer is not None:  # NOTE: not on one host: the gradient path below (gloo, or shm refused)
                 self.reduces, self.transport, self.x_dtype = "weights", "shm", self.updater.x_dtype
                 return

@@ -175,8 +175,8 @@ class Trainer:
                 raise ModelError("model: data-parallel training compiles its gradient and update steps from the "
                                  "ONNX model, got a compiled TrainStep; pass the model")
             self._parallel = distributed.split_step(model, **kwargs)
-            if distributed.world()[1] > 1 and self.sync_every == 1 and self.device == "cpu":  # NOTE: mode "weights"
-                self._fused = compile_train_step(model, **kwargs)
+            if distributed._averages(self._parallel[1], self.device, self.sync_every, self.compress):
+                self._fused = compile_train_step(model, **kwargs)  # NOTE: mode "weights" (not for Adam, clipping...)
         self.train_step_ = saved or (self._parallel[0] if self._parallel else compile_train_step(model, **kwargs))
         if saved is not None and loss is not None and resolve_loss(loss).target != saved.target_kind:
             raise ModelError(f"loss: the saved step takes {saved.target_kind!r} targets, loss {loss!r} takes "
