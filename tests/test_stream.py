@@ -107,6 +107,31 @@ def test_streamed_fit_sessions_spin_where_the_reader_has_a_cpu(data, cpus, monke
         _fit(str(tmp_path / "npy")).runner_._opts.get_session_config_entry(key)
 
 
+def test_memmaps_are_read_in_the_training_thread_with_their_pages_asked_ahead(data, tmp_path, monkeypatch):
+    """A memmap's reading is copies: no reading thread takes the cores onnxruntime computes on (a source that
+    decodes keeps one); the kernel is asked for each next chunk's pages (MADV_WILLNEED), of slices too, and the
+    shuffled chunks still give every row once and train as arrays."""
+    X, y, _ = data
+    threads, advised = [], []
+    real = stream.prefetch
+    monkeypatch.setattr(stream, "prefetch", lambda items, *a: threads.append(threading.current_thread()) or
+                        real(items, *a))
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    _same(_fit(X, y), _fit(str(tmp_path)))
+    assert threads == []
+    _fit(lambda: ((X[i:i + 32], y[i:i + 32]) for i in range(0, N, 32)))
+    assert threads
+    monkeypatch.setattr(stream, "MEMMAP_ROWS", 64)
+    mapped = np.load(tmp_path / "X.npy", mmap_mode="r")
+    source = stream._Memmap(mapped[37:], None, None)
+    real_ahead = source._ahead
+    monkeypatch.setattr(source, "_ahead", lambda k: advised.append(k) or real_ahead(k))
+    rows = np.concatenate([c[0] for c in source.chunks(np.random.default_rng(0), None, 16)])
+    assert advised == [int(k) for k in np.random.default_rng(0).permutation(source.n)][1:]  # NOTE: the next ones
+    np.testing.assert_array_equal(rows[np.lexsort(rows.T[::-1])], X[37:][np.lexsort(X[37:].T[::-1])])
+
+
 def test_parquet_sample_weight_column_and_features(data, tmp_path):
     X, y, sw = data
     table = _table(X, y, sw).append_column("noise", pa.array(np.full(N, 1e6, np.float32)))

@@ -49,6 +49,7 @@ from onnxopt.errors import ConvergenceError, DataError, ModelError, OnnxoptError
 from onnxopt.fuse import compile_train_step
 from onnxopt.protocol import Roles
 from onnxopt.passes.batch import masked_relu_grads
+from onnxopt.ring import N_SETS
 from onnxopt.runner import Runner, _without_values, cuda_model, default_session_options
 from onnxopt.step import NEW, TrainStep
 
@@ -357,19 +358,55 @@ class _Gloo:
         self.wait()
 
 
-class _Shared:
-    """The all-reduce of ranks on one host through one shared-memory file all of them map: rank r's gradient step
-    writes into its slot, and after one barrier every rank sums all slots, in rank order, into its own result,
-    which its update reads: no socket, no copy, the same bits on every rank. Slots alternate between two sets
-    by step: a rank is at most one step ahead of the others (the barrier), so it never writes a set that
-    another still reads. The barrier is in the file too: each rank writes the count of steps it has written
-    into its word of the header and waits until every word reaches it (a spin, then yields: no socket round
-    trip, which took most of a W3 step); a rank that does not arrive within ``TIMEOUT`` seconds raises.
-    ``open`` returns None unless every rank could map the file."""
+def _map(dist, rank: int, world: int, nbytes: int):
+    """(mapped, header's arrival counts): one shared-memory file of ``nbytes`` past its header that every rank maps,
+    or None unless all of them could (ranks on several hosts). Collective. The header holds a token (the file is this
+    group's), then one int64 arrival count per rank; the file is unlinked once mapped, so its memory goes with the
+    last rank, even one killed."""
+    import mmap
+    import secrets
+    import tempfile
 
-    def __init__(self, dist, slots: np.ndarray, arrived: np.ndarray, rank: int, world: int):
-        self._dist, self._slots, self._arrived, self._rank, self._step = dist, slots, arrived, rank, 0
-        self.result = np.zeros(slots.shape[2], slots.dtype)
+    head = 64 * (1 + (8 * world + 63) // 64)
+    info = [None]
+    if rank == 0:
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix="onnxopt-allreduce-", dir=folder)
+        token = secrets.token_bytes(16)
+        os.ftruncate(fd, head + nbytes)
+        os.pwrite(fd, token, 0)
+        os.close(fd)
+        info = [(path, token)]
+    dist.broadcast_object_list(info, src=0)
+    path, token = info[0]
+    mapped = None
+    try:
+        with open(path, "r+b") as f:
+            mapped = mmap.mmap(f.fileno(), head + nbytes)
+        if mapped[:len(token)] != token:
+            mapped = None
+    except (OSError, ValueError):
+        mapped = None
+    found = [None] * world
+    dist.all_gather_object(found, mapped is not None)
+    if rank == 0:
+        os.unlink(path)
+    return (mapped, head, np.frombuffer(mapped, np.int64, world, 64)) if all(found) else None
+
+
+class _Shared:
+    """The all-reduce of ranks on one host through one shared-memory file all of them map (``_map``): rank r's
+    gradient step writes into its slot, and after one barrier every rank sums all slots, in rank order, into its own
+    result, which its update reads: no socket, no copy, the same bits on every rank. Slots alternate between two
+    sets by step: a rank is at most one step ahead of the others (the barrier), so it never writes a set that
+    another still reads. The barrier is in the file too: each rank writes the count of barriers it has reached into
+    its word of the header and waits until every word reaches it (a spin, then yields: no socket round trip, which
+    took most of a W3 step); a rank that does not arrive within ``TIMEOUT`` seconds raises. ``open`` returns None
+    unless every rank could map the file."""
+
+    def __init__(self, arrived: np.ndarray, rank: int, slots: np.ndarray | None = None):
+        self._arrived, self._rank, self._step, self._slots = arrived, rank, 0, slots
+        self.result = None if slots is None else np.zeros(slots.shape[2], slots.dtype)
 
     @property
     def buffer(self) -> np.ndarray:
@@ -378,42 +415,17 @@ class _Shared:
 
     @classmethod
     def open(cls, dist, rank: int, world: int, size: int, dtype) -> _Shared | None:
-        import mmap
-        import secrets
-        import tempfile
-
-        # NOTE: the header holds a token (the file is this group's), then one int64 arrival count per rank
-        shape, head = (2, world, size + 1), 64 * (1 + (8 * world + 63) // 64)
-        nbytes = head + math.prod(shape) * np.dtype(dtype).itemsize
-        info = [None]
-        if rank == 0:
-            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            fd, path = tempfile.mkstemp(prefix="onnxopt-allreduce-", dir=folder)
-            token = secrets.token_bytes(16)
-            os.ftruncate(fd, nbytes)
-            os.pwrite(fd, token, 0)
-            os.close(fd)
-            info = [(path, token)]
-        dist.broadcast_object_list(info, src=0)
-        path, token = info[0]
-        slots = arrived = None
-        try:
-            with open(path, "r+b") as f:
-                mapped = mmap.mmap(f.fileno(), nbytes)
-            if mapped[:len(token)] == token:
-                slots = np.frombuffer(mapped, dtype, math.prod(shape), head).reshape(shape)
-                arrived = np.frombuffer(mapped, np.int64, world, 64)
-        except (OSError, ValueError):
-            pass
-        found = [None] * world
-        dist.all_gather_object(found, slots is not None)
-        if rank == 0:  # NOTE: unlinked once mapped: the memory goes with the last rank, even one killed
-            os.unlink(path)
-        return cls(dist, slots, arrived, rank, world) if all(found) else None
+        shape = (2, world, size + 1)
+        found = _map(dist, rank, world, math.prod(shape) * np.dtype(dtype).itemsize)
+        if found is None:
+            return None
+        mapped, head, arrived = found
+        return cls(arrived, rank, np.frombuffer(mapped, dtype, math.prod(shape), head).reshape(shape))
 
     def _barrier(self) -> None:
-        """Returns once every rank has written its slot of this step (the header's arrival counts)."""
-        count = self._step + 1
+        """Returns once every rank has reached this barrier (the header's arrival counts)."""
+        self._step += 1
+        count = self._step
         self._arrived[self._rank] = count
         spins, deadline = 0, None
         while self._arrived.min() < count:
@@ -428,9 +440,8 @@ class _Shared:
 
     def arrive(self) -> np.ndarray:
         """The barrier, then this step's slots (every rank's, in rank order), read-only until the next ``arrive``."""
-        self._barrier()  # NOTE: every slot of this step written
         slots = self._slots[self._step % 2]
-        self._step += 1  # NOTE: the next step writes the other set
+        self._barrier()  # NOTE: every slot of this step written; the next step writes the other set
         return slots
 
     def reduce(self) -> None:
@@ -438,6 +449,77 @@ class _Shared:
         np.add(slots[0], slots[1], out=self.result)
         for slot in slots[2:]:
             np.add(self.result, slot, out=self.result)
+
+
+class _SharedSets(_Shared):
+    """Mode "weights": the buffer sets of every rank's ``Runner`` in one shared-memory file (``memory``, which
+    ``BufferRing`` calls per set), and their losses. After each step's barrier rank r averages its shard of the set
+    all ranks just wrote, Σ sᵣ·Aᵣ in rank order, and writes it into that shard of every rank's set; after a second
+    barrier every rank's set holds the same bits. One pass over each rank's weights and state fewer than copying
+    them into slots, and each rank reads 1/N of them instead of all: their bytes, not the FLOPs, bound the
+    averaging (W5: 5 MB a rank). Only rank r touches shard r between the barriers, so nothing races."""
+
+    BLOCK = 1 << 16  # NOTE: elements averaged at a time: a block of every rank fits in a core's L2
+
+    BLOCK = 1 << 16  # NOTE: elements averaged at a time: a block of every rank's set fits in a core's L2
+
+    def __init__(self, dist, rank: int, world: int, dtype):
+        super().__init__(np.zeros(world, np.int64), rank)
+        self._dist, self._world, self._dtype, self._sets, self._losses = dist, world, np.dtype(dtype), None, None
+
+    @property
+    def mapped(self) -> bool:
+        """Whether every rank maps the file (else the sets ``memory`` gave are private)."""
+        return self._sets is not None
+
+    def memory(self, k: int, size: int) -> np.ndarray:
+        """Set ``k``'s flat memory of ``size`` elements for this rank (``BufferRing``'s ``memory``); the file is
+        mapped at the first set, collectively; private zeros where some rank could not map it."""
+        if k == 0:
+            shape = (N_SETS, self._world, size)
+            found = _map(self._dist, self._rank, self._world, 16 * self._world + math.prod(shape) * self._dtype.itemsize)
+            if found is not None:
+                mapped, head, self._arrived = found
+                self._losses = np.frombuffer(mapped, np.float64, 2 * self._world, head).reshape(2, self._world)
+                self._sets = np.frombuffer(mapped, self._dtype, math.prod(shape), head + 16 * self._world
+                                           ).reshape(shape)
+        return np.zeros(size, self._dtype) if self._sets is None else self._sets[k, self._rank]
+
+    def exchange(self, loss: float) -> np.ndarray:
+        """Writes this rank's loss, waits for every rank's (the barrier) and returns them, in rank order. Rows
+        alternate by barrier: the next write goes to the other row, the one after it waits for every rank here."""
+        row = self._losses[self._step % 2]
+        row[self._rank] = loss
+        self._barrier()
+        return row.copy()
+
+    def average(self, k: int, shares: list[float]) -> None:
+        """Σ sᵣ·Aᵣ over the ranks with a share, in rank order, of this rank's shard of every rank's set ``k``,
+        written into that shard of every rank's set (the sum's first term in place); then the barrier."""
+        sets, live = self._sets[k], [r for r, share in enumerate(shares) if share > 0]
+        size, align = sets.shape[1], max(1, 64 // self._dtype.itemsize)
+        lo, hi = (min(size, -(-size * r // self._world // align) * align) for r in (self._rank, self._rank + 1))
+        for a in range(lo, hi, self.BLOCK):
+            b = min(a + self.BLOCK, hi)
+            total = sets[live[0], a:b]
+            if len(live) > 1:  # NOTE: one rank with rows: its share is 1, its set the average
+                np.multiply(total, shares[live[0]], out=total)
+                for r in live[1:]:
+                    part = sets[r, a:b]
+                    np.multiply(part, shares[r], out=part)
+                    np.add(total, part, out=total)
+            for r in range(self._world):
+                if r != live[0]:
+                    np.copyto(sets[r, a:b], total)
+        self._barrier()
+
+
+class _RankRunner(Runner):
+    """The fused step's ``Runner`` of a rank in mode "weights", its buffer sets in ``memory`` (``_SharedSets``)."""
+
+    def __init__(self, step: TrainStep, memory, **kwargs):
+        self._memory = memory
+        super().__init__(step, **kwargs)
 
 
 class DataParallelRunner:
@@ -491,11 +573,10 @@ class DataParallelRunner:
         self._bindings: dict[tuple, object] = {}
         self._checked = False
         if fused is not None and _averages(update, device, sync_every, compress, transport):
-            self.updater = Runner(fused, session_options=options(rows), batch_size=rows)
-            size = sum(a.size for a in self._hosts())  # NOTE: weights and state
-            self._reducer = _Shared.open(self._dist, self.rank, self.world, size, self.updater._ring.dtype)
-            if self._reducer is not None:  # NOTE: not on one host: the gradient path below (gloo, or shm refused)
-                self.reduces, self.transport, self.x_dtype = "weights", "shm", self.updater.x_dtype
+            shared = _SharedSets(self._dist, self.rank, self.world, next(iter(weights.values())).dtype)
+            self.updater = _RankRunner(fused, shared.memory, session_options=options(rows), batch_size=rows)
+            if shared.mapped:  # NOTE: else not on one host: the gradient path below (gloo, or shm refused)
+                self._reducer, self.reduces, self.transport, self.x_dtype = shared, "weights", "shm", self.updater.x_dtype
                 return
         self.updater = Runner(update, device, session_options=options(1), batch_size=1)  # NOTE: checks CUDA
         if device == "cuda":  # NOTE: gradients staged through host memory (module docstring): no NCCL
@@ -731,15 +812,9 @@ class DataParallelRunner:
             loss, stepped = math.nan, False
             if ring.current != start:
                 ring.advance()
-        slot, offset, share = self._reducer.buffer, 0, shares[self.rank]
-        for a in self._hosts() if mine and stepped else []:  # NOTE: sᵣ·Aᵣ, scaled by its writer: a pass fewer
-            np.multiply(a, share, out=slot[offset:offset + a.size])
-            offset += a.size
-        slot[-1] = loss
         got: list[np.ndarray] = []
-        self._collective(lambda: got.append(self._reducer.arrive()), "the weight average")
-        slots = got[0]
-        loss = sum(shares[r] * float(slots[r, -1]) for r in live) if live else math.nan
+        self._collective(lambda: got.append(self._reducer.exchange(loss)), "the weight average")
+        loss = sum(shares[r] * float(got[0][r]) for r in live) if live else math.nan
         if not math.isfinite(loss):
             if stepped:
                 ring.step_back()  # NOTE: every rank keeps the weights before this step
@@ -747,22 +822,8 @@ class DataParallelRunner:
                                    f"those before it (step {self.updater.step_count}), see get_weights()")
         if not stepped:
             ring.advance()  # NOTE: the failed run wrote this step's set (its step counter too); the average follows
-        offset = 0
-        for a in self._hosts():  # NOTE: Σ sᵣ·Aᵣ in rank order from the slots: the same bits on every rank
-            parts = [slots[r, offset:offset + a.size] for r in live]
-            offset += a.size
-            if len(parts) == 1:
-                np.copyto(a, parts[0])
-            else:  # NOTE: 2 ranks: one pass, s₀·A₀ + s₁·A₁
-                np.add(parts[0], parts[1], out=a)
-            for part in parts[2:]:
-                np.add(a, part, out=a)
+        self._collective(lambda: self._reducer.average(ring.current, shares), "the weight average")
         return loss
-
-    def _hosts(self) -> list[np.ndarray]:
-        """The float host arrays (weights, state; flat) of the updater's current set, in order."""
-        ring = self.updater._ring
-        return [a.reshape(-1) for a in ring.hosts[ring.current] if a.dtype == ring.dtype]
 
     def _apply(self) -> None:
         """The update on the reduced gradients, each weight's read where it lies in ``_result`` (CUDA: copied up)."""

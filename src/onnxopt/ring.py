@@ -8,7 +8,7 @@ buffer per set, their members numpy views of it; every OrtValue wraps host memor
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnxruntime as ort
@@ -26,11 +26,14 @@ class BufferRing:
     """The three buffer sets of ``carried`` tensors (weights, buffers, state, the step counter, in that order)
     starting from ``initial``; ``packs`` {pack: member names} share one flat buffer per set, ``rows`` are bound
     as (1, n) views, ``views`` (packed weights) are read as views of their pack. ``current`` is the set holding
-    the latest values."""
+    the latest values. ``memory`` (set, size) gives a set's flat host memory for its tensors of ``dtype``
+    (distributed's mode "weights": in shared memory, where ranks average them in place)."""
 
     def __init__(self, initial: Mapping[str, np.ndarray], carried: list[str], packs: dict[str, list[str]],
-                 dtype: np.dtype, device: str, rows: tuple[str, ...] = (), views: list[str] | None = None):
+                 dtype: np.dtype, device: str, rows: tuple[str, ...] = (), views: list[str] | None = None,
+                 memory: Callable[[int, int], np.ndarray] | None = None):
         self.carried, self.packs, self.dtype, self.device, self.rows = carried, packs, dtype, device, rows
+        self._memory = memory  # NOTE: (set, size) -> the flat host memory of that set's tensors of ``dtype``
         members = {m for names in packs.values() for m in names}
         # NOTE: what the session reads and writes: packs and unpacked tensors; packed weights are read as views
         self.bound = [*packs, *(n for n in carried if n not in members)]
@@ -44,24 +47,40 @@ class BufferRing:
         self.write(initial, all_sets=True)
 
     def _zeros_like(self, initial: Mapping[str, np.ndarray]) -> dict[str, ort.OrtValue]:
+        source = lambda n: initial[n if n in initial else n.rsplit(".", 1)[0]]  # noqa: E731
+        shapes = {pack: [source(n).shape for n in names] for pack, names in self.packs.items()}
+        alone = [n for n in self.carried if not any(n in names for names in self.packs.values())]
+        blocks = {**{p: sum(int(np.prod(sh)) for sh in shs) for p, shs in shapes.items()},
+                  **{n: source(n).size for n in alone if n != STEP and source(n).dtype == self.dtype}}
+        memory, offset = None, 0
+        if self._memory is not None:  # NOTE: one region per set, each block at a 64-byte boundary
+            align = 64 // np.dtype(self.dtype).itemsize
+            memory = self._memory(len(self.hosts), sum(-(-b // align) * align for b in blocks.values()))
+
+        def zeros(name: str, size: int) -> np.ndarray:
+            nonlocal offset
+            if memory is None or name not in blocks:
+                return np.zeros(size, self.dtype)
+            block, offset = memory[offset:offset + size], offset - (-size // align) * align
+            block[:] = 0
+            return block
+
         arrays, hosts = {}, []  # NOTE: each tensor's host memory: its own array, or a view of its pack's
         for pack, names in self.packs.items():  # NOTE: one flat buffer per pack, each member a view of it
-            shapes = [initial[n if n in initial else n.rsplit(".", 1)[0]].shape for n in names]
-            flat = np.zeros(sum(int(np.prod(sh)) for sh in shapes), self.dtype)
+            flat = arrays[pack] = zeros(pack, blocks[pack])
             hosts.append(flat)
-            arrays[pack] = flat
-            offset = 0
-            for name, shape in zip(names, shapes):
+            start = 0
+            for name, shape in zip(names, shapes[pack]):
                 size = int(np.prod(shape))
-                arrays[name] = flat[offset:offset + size].reshape(shape)
-                offset += size
-        for name in self.carried:
-            if name in arrays:
-                continue
+                arrays[name] = flat[start:start + size].reshape(shape)
+                start += size
+        for name in alone:
             if name == STEP:
                 arr = np.zeros((), np.int64)
+            elif name in blocks:
+                arr = zeros(name, blocks[name]).reshape(source(name).shape)
             else:
-                arr = np.zeros_like(initial[name if name in initial else name.rsplit(".", 1)[0]])
+                arr = np.zeros_like(source(name))
             hosts.append(arr)
             arrays[name] = arr
         self.hosts.append(hosts)  # NOTE: on CPU the OrtValues wrap these arrays

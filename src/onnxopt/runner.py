@@ -37,7 +37,7 @@ from onnxopt.protocol import Roles
 from onnxopt.ring import BufferRing
 from onnxopt.sessions import KEEP_DROPOUT, StepSessions, _without_values  # noqa: F401  (distributed's)
 from onnxopt.step import TrainStep
-from onnxopt.stream import as_stream, blocks, prefetch
+from onnxopt.stream import as_stream, blocks, read_ahead
 
 __all__ = ["Runner", "default_session_options", "step_work", "cpu_model", "cuda_model"]
 
@@ -264,6 +264,8 @@ class Runner:
     after the other and none is lost.
     """
 
+    _memory = None  # NOTE: the ring's host memory per set (BufferRing): a rank's shared sets in distributed
+
     def __init__(self, step: TrainStep | str | os.PathLike, device: str = "cpu",
                  session_options: ort.SessionOptions | None = None, batch_size: int = 32):
         self._lock = threading.RLock()  # NOTE: reentrant: epoch calls step, save_checkpoint get_weights
@@ -307,7 +309,7 @@ class Runner:
         taken = {i.name for i in model.graph.input}  # NOTE: a step without a forward pass (distributed's update)
         views = [n for n in packs.get(PACK_WEIGHTS, []) if n in taken]  # reads only the pack
         self._ring = BufferRing(initial, [*roles.weights, *roles.buffers, *roles.state], packs, self.dtype, device,
-                                cpu.rows if cpu else (), views)
+                                cpu.rows if cpu else (), views, self._memory)
         try:
             self._sessions = StepSessions(model, initial, roles.data[0], rows, opts, providers, self._ring, roles.loss)
         except Exception as exc:
@@ -477,13 +479,14 @@ class Runner:
         (ConvergenceError, naming the batch) and the weights kept are always ``step``'s.
 
         ``X`` may also be an iterable of batches ``(X, y[, sample_weight])`` or memmaps (``onnxopt.stream``),
-        read in a background thread, a block of batches ahead.
+        read a block of batches ahead (``stream.read_ahead``).
         """
         source = as_stream(X, y, sample_weight)
         if source is not None and source.small:  # NOTE: read whole, run as arrays
             (X, y, sample_weight), source = source.read_all(), None
         if source is not None:
-            items = prefetch(blocks(source, self.batch_size if batch_size is None else batch_size, dtype=self.x_dtype))
+            items = read_ahead(source, blocks(source, self.batch_size if batch_size is None else batch_size,
+                                              dtype=self.x_dtype))
             return np.concatenate([self.epoch(*b[:3], batch_size=b[3]) for b in items])
         X = self._array(X, self.x_dtype, "X")
         n = X.shape[0] if X.ndim else 0
