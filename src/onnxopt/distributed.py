@@ -19,7 +19,8 @@ Mode "weights" (shm ranks given the fused step, sync_every 1, CPU): for an updat
 weights and state (``affine``: SGD, momentum, Nesterov, any penalty or schedule), rank r runs the fused step on its
 rows, Aᵣ = U(W, S, gᵣ + p(W)), and every rank writes Σᵣ sᵣ·Aᵣ = U(W, S, Σᵣ sᵣ·gᵣ + p(W)) (Σ sᵣ = 1) back into its
 weights and state: one process's update on the global batch, to float rounding, with the update fused into the
-backward's Gemms instead of a second session reading the gradients back.
+backward's Gemms instead of a second session reading the gradients back. The ranks' buffer sets live in one
+shared-memory file (``_SharedSets``): each rank averages its shard of all of them in place.
 
 On CUDA (``device="cuda"``) each rank's steps run on GPU 0 (weights, state and the update on the device), and
 the gradient step writes its gradients into the same host buffer, which shm or gloo all-reduce and the update
