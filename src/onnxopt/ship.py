@@ -28,6 +28,7 @@ import math
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common as passes
 
 from onnxopt.passes.epoch import epoch_model, scannable
 from onnxopt.passes.update import PACK_WEIGHTS
@@ -55,7 +56,8 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict | None:
     concatenated in the same order, then the loss at ``loss_at``). Returns the ``PACKED_KEY`` entry: the model
     (base64); ``carry``, the logical tensors it holds as ``[name, offset, dims]`` (every weight, buffer and optimizer
     state of that type, packs expanded to their members); ``cpu_model``'s side model, hoisted names and target shape;
-    ``counted``: whether the runner advances the step counter (its new value is no output). None for a step whose
+    ``counted``: whether the runner advances the step counter (its new value is no output; the counter is then an
+    input only where the step reads it). None for a step whose
     carried tensors are not all of static shape (the runner then runs the step as saved)."""
     work = step_work(step)
     cpu = cpu_model(step, batch_size, 1 if work * batch_size < SMALL_STEP else 2)
@@ -107,6 +109,10 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict | None:
         if v in g.outputs:
             g.outputs.remove(v)
     g.outputs.append(new)
+    if counted:  # NOTE: a counter only the dropped STEP.new read (SGD) is no input: onnxruntime-node converts each
+        passes.RemoveUnusedNodesPass()(model)  # input of a run (~2-3 µs), and the runner feeds only session inputs
+        if not inputs[STEP].uses():
+            g.inputs.remove(inputs[STEP])
     layout, offset = [], 0
     for m in logical:
         layout.append([m, offset, declared[m]])
