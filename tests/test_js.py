@@ -172,8 +172,9 @@ def test_for_js_epoch_model_gives_the_runners_losses(tmp_path):
 @pytest.mark.parametrize("update", ["sgd", "adam"])
 def test_packed_form_gives_the_runners_losses_and_weights(update):
     """ship.pack_carry, run in onnxruntime (Python) as the JS runner runs it: one ``carry`` in, ``carry.new`` out
-    (its last element the loss), the step counter advanced by the caller (an input only where the step reads it), the hoisted sample-weight values from the
-    side model; losses and weights (read through the layout) against the Runner's, on batches of two lengths."""
+    (its last element the loss), the step counter advanced by the caller (an input only where the step reads it),
+    the hoisted sample-weight values from the side model; losses and weights (read through the layout) against the
+    Runner's, on batches of two lengths."""
     import base64
 
     from onnxopt.examples import mlp
