@@ -101,7 +101,7 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict | None:
                 split(part, cpu.packs[name], [math.prod(declared[m]) for m in cpu.packs[name]])
             if name in inputs:
                 # NOTE: a row (1, n) read only where it broadcasts against rank >= 2 (Gemm's C, an Add of a
-                # matrix) stays flat: each Reshape is one more kernel a run launches (~7k instructions of ORT's)
+                # matrix) stays flat: each Reshape is one more kernel a run launches (~3k instructions of ORT's)
                 flat = len(inputs[name].shape) == 1 or inputs[name].shape[0] == 1 and all(
                     _broadcast_row(user, i) for user, i in inputs[name].uses())
                 shaped = part if flat else tape.op(
