@@ -37,14 +37,12 @@ const epochMs = (performance.now() - t) / (epochs * xs.length);
 // NOTE: the floor: onnxruntime-node's InferenceSession.run on the same model and one batch's feeds, as many runs
 let runMs = NaN;
 if (runner._packed) {
-  const feeds = runner._packedFeeds(runner._batch(xs[0], ys[0]));
-  if (runner._names.w) Object.assign(feeds, runner._hoisted.get(xs[0].dims[0]));
-  Object.assign(feeds, runner._current);
+  const { session, feeds } = await runner._feeds(runner._batch(xs[0], ys[0]));  // NOTE: as step() feeds it
   const steps = epochs * xs.length;
-  for (let i = 0; i < xs.length; i++) await runner._session.run(feeds, runner._fetches);
+  for (let i = 0; i < xs.length; i++) await session.run(feeds, runner._fetches);
   await new Promise((r) => setTimeout(r, 200));
   t = performance.now();
-  for (let i = 0; i < steps; i++) await runner._session.run(feeds, runner._fetches);
+  for (let i = 0; i < steps; i++) await session.run(feeds, runner._fetches);
   runMs = (performance.now() - t) / steps;
 }
 console.log(JSON.stringify({ step_ms: stepMs, epoch_ms: epochMs, run_ms: runMs }));

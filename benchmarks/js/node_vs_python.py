@@ -6,8 +6,9 @@ Turns alternate (Python block, pause, Node block, pause, Node on the unpacked st
 median over turns of ms per step and the ratio Node / Python; "unpacked" is the StepRunner on the step as saved
 (``packed: false``: one input and output per carried tensor, the model before ``runner.cpu_model``). Each block
 runs as many epochs as take Python about ``--seconds`` (steady state: 200 steps of W1 left V8's compiler and the
-allocator warming up). "session.run alone" is onnxruntime-node's ``InferenceSession.run`` on the packed model
-and one batch's feeds, nothing of the StepRunner around it: the floor a JS runner on this binding starts from. Needs node and js/node_modules (cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci).
+allocator warming up). "session.run alone" is onnxruntime-node's ``InferenceSession.run`` on the session and
+feeds ``step()`` uses for one full batch (the packed model, specialized for the batch length), nothing of the
+StepRunner around it: the floor a JS runner on this binding starts from. Needs node and js/node_modules (cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci).
 
     python benchmarks/js/node_vs_python.py [--turns 5] [--workloads W1-sgd W1-adam W3]
 """

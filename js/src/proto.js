@@ -138,8 +138,10 @@ export function valueInfo(bytes) {
   return { name: text(first(fs, 1) ?? new Uint8Array()), elemType: first(tfs, 1) ?? 0, dims };
 }
 
+/** A ValueInfoProto of a tensor; `dims` as `valueInfo` gives them (a Number, a name, or null: unknown). */
 export function encodeValueInfo(name, elemType, dims) {
-  const dimBytes = dims.map((d) => lenField(1, varintField(1, d)));
+  const dimBytes = dims.map((d) => lenField(1, typeof d === "number" ? varintField(1, d)
+    : d === null ? new Uint8Array() : lenField(2, utf8enc.encode(d))));
   const tensor = concat([varintField(1, elemType), lenField(2, concat(dimBytes))]);
   return concat([lenField(1, utf8enc.encode(name)), lenField(2, lenField(1, tensor))]);
 }

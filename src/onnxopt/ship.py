@@ -28,6 +28,7 @@ import math
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common as passes
 
 from onnxopt.passes.epoch import epoch_model, scannable
 from onnxopt.passes.update import PACK_WEIGHTS
@@ -49,13 +50,25 @@ def _const(tape: ir.tape.Tape, values: list[int]) -> ir.Value:
     return tape.op("Constant", [], {"value": ir.tensor(np.array(values, np.int64))})
 
 
+def _broadcast_row(node: ir.Node, index: int) -> bool:
+    """Whether input ``index`` of ``node``, a row (1, n), gives the same values as a vector (n,)."""
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    if node.op_type == "Gemm":
+        return index == 2
+    others = [v for k, v in enumerate(node.inputs) if k != index]
+    return node.op_type in ("Add", "Sub", "Mul", "Div") and all(
+        v is not None and v.shape is not None and len(v.shape) >= 2 for v in others)
+
+
 def pack_carry(step: TrainStep, batch_size: int = 32) -> dict | None:
     """``step`` as ``runner.cpu_model`` makes it for ``batch_size`` rows, its carried tensors of the weights' type
     in one input ``carry`` (split and reshaped in the graph) and one output ``carry.new`` (their new values,
     concatenated in the same order, then the loss at ``loss_at``). Returns the ``PACKED_KEY`` entry: the model
     (base64); ``carry``, the logical tensors it holds as ``[name, offset, dims]`` (every weight, buffer and optimizer
     state of that type, packs expanded to their members); ``cpu_model``'s side model, hoisted names and target shape;
-    ``counted``: whether the runner advances the step counter (its new value is no output). None for a step whose
+    ``counted``: whether the runner advances the step counter (its new value is no output; the counter is then an
+    input only where the step reads it). None for a step whose
     carried tensors are not all of static shape (the runner then runs the step as saved)."""
     work = step_work(step)
     cpu = cpu_model(step, batch_size, 1 if work * batch_size < SMALL_STEP else 2)
@@ -87,7 +100,11 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict | None:
             if any(m in inputs for m in cpu.packs.get(name, [])):  # NOTE: the weights the forward pass reads
                 split(part, cpu.packs[name], [math.prod(declared[m]) for m in cpu.packs[name]])
             if name in inputs:
-                shaped = part if len(inputs[name].shape) == 1 else tape.op(
+                # NOTE: a row (1, n) read only where it broadcasts against rank >= 2 (Gemm's C, an Add of a
+                # matrix) stays flat: each Reshape is one more kernel a run launches (~3k instructions of ORT's)
+                flat = len(inputs[name].shape) == 1 or inputs[name].shape[0] == 1 and all(
+                    _broadcast_row(user, i) for user, i in inputs[name].uses())
+                shaped = part if flat else tape.op(
                     "Reshape", [part, _const(tape, [int(d) for d in inputs[name].shape])])
                 ir.convenience.replace_all_uses_with(inputs[name], shaped)
                 g.inputs.remove(inputs.pop(name))
@@ -107,6 +124,10 @@ def pack_carry(step: TrainStep, batch_size: int = 32) -> dict | None:
         if v in g.outputs:
             g.outputs.remove(v)
     g.outputs.append(new)
+    if counted:  # NOTE: a counter only the dropped STEP.new read (SGD) is no input: onnxruntime-node converts
+        passes.RemoveUnusedNodesPass()(model)  # each input of a run (~2-3 µs); the runner feeds session inputs only
+        if not inputs[STEP].uses():
+            g.inputs.remove(inputs[STEP])
     layout, offset = [], 0
     for m in logical:
         layout.append([m, offset, declared[m]])
