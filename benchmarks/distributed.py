@@ -130,7 +130,7 @@ def bound(name: str) -> None:
     time) of the fused step on the batch and on half of it, and of a rank's split step on half of it (its gradient
     step alone, then its update alone): in mode "gradients" 2 ranks reach at most fused(B) / (2 · split(B/2)) of the
     capacity, the all-reduce costing nothing; in mode "weights" fused(B) / (2 · (fused(B/2) + averaging)), the
-    averaging being a rank's 0.5·A into its slot and the sum of the two slots back, the barrier free."""
+    averaging being a rank's shard of the two ranks' sets (``_SharedSets.average``), the barriers free."""
     wl = WORKLOADS[name]
     X, y = wl.data()
     kw = dict(loss=wl.loss, update=_onnxopt_update(wl.update), learning_rate=wl.lr)
@@ -151,19 +151,10 @@ def bound(name: str) -> None:
     ms = {f"fused, {rows} rows": cpu(onnxopt.Runner(fused, batch_size=rows, session_options=_options()).step, rows)
           for rows in (wl.batch, half)}
     ring = onnxopt.Runner(fused, batch_size=half, session_options=_options())._ring
-    hosts = [a.reshape(-1).copy() for a in ring.hosts[0] if a.dtype == ring.dtype]
-    slots = np.zeros((2, sum(a.size for a in hosts) + 1), ring.dtype)
-
-    def average(*_) -> None:  # NOTE: as DataParallelRunner._average_step, on copies
-        offset = 0
-        for a in hosts:
-            np.multiply(a, 0.5, out=slots[0, offset:offset + a.size])
-            offset += a.size
-        offset = 0
-        for a in hosts:
-            np.add(slots[0, offset:offset + a.size], slots[1, offset:offset + a.size], out=a)
-            offset += a.size
-
+    size = sum(a.size for a in ring.hosts[0] if a.dtype == ring.dtype)
+    shared = distributed._SharedSets(None, 0, 2, ring.dtype)  # NOTE: rank 0's averaging, on private sets
+    shared._sets, shared._barrier = np.random.default_rng(0).random((3, 2, size)).astype(ring.dtype), lambda: None
+    average = lambda *_: shared.average(1, [0.5, 0.5])  # noqa: E731
     ms["averaging weights and state"] = cpu(average, half)
     rank = distributed.DataParallelRunner(*steps, batch_size=half, session_options=_options())
     ms[f"rank's split step, {half} rows"] = cpu(rank.step, half)
