@@ -475,13 +475,12 @@ class _SharedSets(_Shared):
         """Set ``k``'s flat memory of ``size`` elements for this rank (``BufferRing``'s ``memory``); the file is
         mapped at the first set, collectively; private zeros where some rank could not map it."""
         if k == 0:
-            shape = (N_SETS, self._world, size)
-            found = _map(self._dist, self._rank, self._world, 16 * self._world + math.prod(shape) * self._dtype.itemsize)
+            shape, losses = (N_SETS, self._world, size), 64 * -(-16 * self._world // 64)  # NOTE: sets 64-byte aligned
+            found = _map(self._dist, self._rank, self._world, losses + math.prod(shape) * self._dtype.itemsize)
             if found is not None:
                 mapped, head, self._arrived = found
                 self._losses = np.frombuffer(mapped, np.float64, 2 * self._world, head).reshape(2, self._world)
-                self._sets = np.frombuffer(mapped, self._dtype, math.prod(shape), head + 16 * self._world
-                                           ).reshape(shape)
+                self._sets = np.frombuffer(mapped, self._dtype, math.prod(shape), head + losses).reshape(shape)
         return np.zeros(size, self._dtype) if self._sets is None else self._sets[k, self._rank]
 
     def exchange(self, loss: float) -> np.ndarray:

@@ -30,7 +30,7 @@ import numpy as np
 
 from onnxopt.errors import DataError
 
-__all__ = ["as_stream", "write_npy", "blocks", "prefetch", "read_ahead", "held_rows", "BLOCK_BYTES", "SHUFFLE_BLOCKS", "PREFETCH", "MEMMAP_ROWS",
+__all__ = ["as_stream", "write_npy", "blocks", "prefetch", "held_rows", "BLOCK_BYTES", "SHUFFLE_BLOCKS", "PREFETCH", "MEMMAP_ROWS",
            "CACHE_BYTES"]
 
 BLOCK_BYTES = 2 << 20  # NOTE: a block of W1's batches (400 B rows, batch 15) holds 64 of them, of W3's (3 kB) 5
