@@ -460,8 +460,6 @@ class _SharedSets(_Shared):
     them into slots, and each rank reads 1/N of them instead of all: their bytes, not the FLOPs, bound the
     averaging (W5: 5 MB a rank). Only rank r touches shard r between the barriers, so nothing races."""
 
-    BLOCK = 1 << 16  # NOTE: elements averaged at a time: a block of every rank fits in a core's L2
-
     def __init__(self, dist, rank: int, world: int, dtype):
         super().__init__(np.zeros(world, np.int64), rank)
         self._dist, self._world, self._dtype, self._sets, self._losses = dist, world, np.dtype(dtype), None, None
