@@ -5,6 +5,7 @@ import pytest
 
 import onnxopt
 import onnxopt.runner
+from onnxopt.data import all_finite
 from onnxopt.examples import mlp
 from helpers import count_runs
 
@@ -88,6 +89,42 @@ def test_divergence_found_at_sync_restores_the_weights_of_the_last_sync(data):
     again = _runner(update="momentum", learning_rate=5.0)
     again.step(X[:8], y[:8] * 100)
     assert runner.step(X[:8], y[:8]) == again.step(X[:8], y[:8])
+
+
+def test_each_sync_refreshes_the_snapshot_in_place_and_a_divergence_restores_the_latest(data):
+    """The weights kept for a divergence are rewritten in the same arrays at each run of deferred steps (no
+    allocation a streamed block), and are those of the last sync, not of an earlier one."""
+    X, y = data
+    runner = _runner(update="momentum", learning_rate=5.0)
+    runner.step(X[:8], y[:8], read_loss=False)
+    runner.sync()
+    kept = runner._losses.snapshot
+    arrays = {name: id(a) for name, a in kept.items()}
+    runner.step(X[8:16], y[8:16], read_loss=False)
+    assert np.isfinite(runner.sync()).all()
+    synced = {**runner.get_weights(), **runner.get_state()}
+    with pytest.raises(onnxopt.ConvergenceError, match=r"step 2 \(the last synced step\)"):
+        for _ in range(20):
+            runner.step(X[:8], y[:8] * 100, read_loss=False)
+        runner.sync()
+    assert runner._losses.snapshot is kept and {name: id(a) for name, a in kept.items()} == arrays
+    restored = {**runner.get_weights(), **runner.get_state()}
+    assert restored.keys() == synced.keys()
+    for name, value in synced.items():
+        np.testing.assert_array_equal(restored[name], value, err_msg=name)
+
+
+def test_all_finite_is_exact_where_the_sum_overflows():
+    """The check of weights and streamed blocks: a finite sum proves it; an overflowing one is checked value by
+    value, so huge finite values pass and any NaN or infinity fails."""
+    huge = np.full(8, np.finfo(np.float32).max, np.float32)
+    assert all_finite(huge) and all_finite(np.zeros(0, np.float32)) and all_finite(np.ones((3, 4)))
+    for bad in (np.nan, np.inf, -np.inf):
+        for base in (huge, np.ones(8, np.float32)):
+            a = base.copy()
+            a[5] = bad
+            assert not all_finite(a), (bad, base[0])
+    assert not all_finite(np.array([np.inf, -np.inf]))
 
 
 @pytest.mark.parametrize("read_loss", [True, False])

@@ -132,6 +132,33 @@ def test_memmaps_are_read_in_the_training_thread_with_their_pages_asked_ahead(da
     np.testing.assert_array_equal(rows[np.lexsort(rows.T[::-1])], X[37:][np.lexsort(X[37:].T[::-1])])
 
 
+@pytest.mark.parametrize("chunk", [65536, 100, 37])
+def test_memmap_blocks_in_order_are_views_of_the_file_joined_only_across_chunks(chunk, data, tmp_path, monkeypatch):
+    """Unshuffled, a memmap's blocks lying in one chunk are the file's rows themselves (no copy); those across a
+    chunk's end are joined; every block is the arrays' next rows, whole batches but the last, with or without
+    held-out rows, and the fit trains as the arrays do."""
+    X, y, sw = data
+    for name, a in (("X", X), ("y", y), ("sample_weight", sw)):
+        np.save(tmp_path / f"{name}.npy", a)
+    monkeypatch.setattr(stream, "MEMMAP_ROWS", chunk)
+    monkeypatch.setattr(stream, "BLOCK_BYTES", 48 * X[:1].nbytes)  # NOTE: blocks of 3 batches of 16 rows
+    source = stream.as_stream(str(tmp_path))
+    parts = list(stream.blocks(source, 16))
+    assert [len(p[0]) for p in parts] == [48] * (N // 48) + [N % 48] and all(p[3] == 16 for p in parts)
+    start = 0
+    for p in parts:
+        rows = slice(start, start + len(p[0]))
+        for got, want in zip(p[:3], (X, y, sw)):
+            np.testing.assert_array_equal(got, want[rows])
+        in_one_chunk = rows.start // chunk == (rows.stop - 1) // chunk
+        assert np.shares_memory(p[0], source.arrays[0]) == in_one_chunk
+        start = rows.stop
+    assert any(np.shares_memory(p[0], source.arrays[0]) for p in parts) == (chunk >= 48)
+    held = [p[0] for p in stream.blocks(source, 16, part=("validation", 0.2, 5))]
+    np.testing.assert_array_equal(np.concatenate(held), X[stream.held_rows(0, N, N, ("validation", 0.2, 5))])
+    _same(_fit(X, y, sw), _fit(str(tmp_path)))
+
+
 def test_parquet_sample_weight_column_and_features(data, tmp_path):
     X, y, sw = data
     table = _table(X, y, sw).append_column("noise", pa.array(np.full(N, 1e6, np.float32)))

@@ -48,9 +48,15 @@ def as_array(value, dtype, name: str) -> np.ndarray:
     raise DataError(f"{name}: expected numbers castable to {dtype}, got dtype {arr.dtype}")
 
 
+def all_finite(a: np.ndarray) -> bool:
+    """Whether every value of the float array ``a`` is finite: a finite sum says so without a mask as large as
+    ``a`` (a streamed fit checks every block and, after it, every weight)."""
+    return bool(np.isfinite(a.sum()) or np.isfinite(a).all())
+
+
 def _check_finite(arr: np.ndarray, name: str, allow_nan: bool | None) -> None:
     """``allow_nan=None``: always checked, and the error does not suggest ``allow_nan``."""
-    if not allow_nan and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+    if not allow_nan and arr.dtype.kind == "f" and not all_finite(arr):
         bad = np.argwhere(~np.isfinite(arr))[0]
         hint = "" if allow_nan is None else " (pass allow_nan=True if the model handles them)"
         raise DataError(f"{name}: expected finite values, got {arr[tuple(bad)]} at index {tuple(int(i) for i in bad)}"

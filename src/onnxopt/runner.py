@@ -25,7 +25,7 @@ import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
 from onnxopt.checkpoint import restore_arrays, save_arrays
-from onnxopt.data import as_array, check_batch_size, check_class_indices
+from onnxopt.data import all_finite, as_array, check_batch_size, check_class_indices
 from onnxopt.epochs import EpochLoop
 from onnxopt.errors import ConvergenceError, DataError, ModelError, NotDifferentiableError
 from onnxopt.modelio import require_cuda
@@ -535,7 +535,8 @@ class Runner:
         if losses.pending == _HISTORY:
             losses.synced = [self.sync()]
         if not losses.pending:
-            losses.snapshot = {**self.get_weights(), **self.get_state()}
+            losses.snapshot = ring.read([*self._roles.weights, *self._roles.buffers, *self._roles.state],
+                                        losses.snapshot)
         if self.device == "cpu":  # NOTE: the loss lands in a host scalar: copying it costs less than rebinding
             self._run(sess, raw, keep)
             losses.host[losses.pending] = self._sessions.loss_host[ring.current]
@@ -578,7 +579,8 @@ class Runner:
         """Raises ConvergenceError if a weight is NaN or infinite, going back to the weights that gave the last
         finite loss as a diverging step does. ``step`` checks the loss only: a finite loss can still overflow
         its update, which the next step finds (``Trainer`` calls this after every epoch)."""
-        bad = [name for name, w in self.get_weights().items() if not np.isfinite(w).all()]
+        cur = self._ring.sets[self._ring.current]  # NOTE: views on CPU: a streamed fit checks every block
+        bad = [name for name in self._roles.weights if not all_finite(cur[name].numpy())]
         if not bad:
             return
         failed, kept = self.step_count, "they were reset to those that gave its loss"

@@ -380,12 +380,16 @@ def blocks(stream, batch: int, rng: np.random.Generator | None = None, part=None
         if group:
             yield (*_cat(group), len(group[0][0]))
         return
+    chunks = stream.chunks(rng, part, batch * MAX_BATCHES)
+    if rng is None and not stream.decodes:
+        yield from _views(map(cast, chunks), batch)
+        return
     size = buf = None  # NOTE: one buffer of SHUFFLE_BLOCKS blocks and a chunk, reused: rows are copied in once
     rows = 0
-    for chunk in stream.chunks(rng, part, batch * MAX_BATCHES):
+    for chunk in chunks:
         chunk, n = cast(chunk), len(chunk[0])
         if size is None:
-            size = batch * max(1, min(MAX_BATCHES, BLOCK_BYTES // (batch * max(chunk[0][:1].nbytes, 1))))
+            size = _block_rows(chunk, batch)
             limit = size * (SHUFFLE_BLOCKS if rng is not None else 1)
         if buf is None or rows + n > len(buf[0]):
             old, buf = buf, tuple(None if a is None else np.empty((max(limit, rows) + n, *a.shape[1:]), a.dtype)
@@ -402,6 +406,34 @@ def blocks(stream, batch: int, rng: np.random.Generator | None = None, part=None
             rows %= size
     if rows:
         yield from _cut(buf, rows, size, rng, batch, rows)
+
+
+def _block_rows(chunk: tuple, batch: int) -> int:
+    """Rows of a block: whole batches, about ``BLOCK_BYTES`` of X, at most ``MAX_BATCHES`` batches."""
+    return batch * max(1, min(MAX_BATCHES, BLOCK_BYTES // (batch * max(chunk[0][:1].nbytes, 1))))
+
+
+def _views(chunks: Iterator[tuple], batch: int) -> Iterator[tuple]:
+    """``blocks`` in the rows' order from chunks that stay valid (a memmap's rows): each block lying in one chunk is
+    a view of it, no copy (W3 from .npy: two copies of 25 MB an epoch fewer); a block across chunks is joined."""
+    size, pending = None, []  # NOTE: the pieces of the block begun in earlier chunks
+    for chunk in chunks:
+        size = size or _block_rows(chunk, batch)
+        i, n = 0, len(chunk[0])
+        if pending:
+            i = min(n, size - sum(len(p[0]) for p in pending))
+            pending.append(tuple(None if a is None else a[:i] for a in chunk))
+            if sum(len(p[0]) for p in pending) < size:
+                continue
+            yield (*_cat(pending), batch)
+            pending = []
+        for i in range(i, n - size + 1, size):
+            yield (*(None if a is None else a[i:i + size] for a in chunk), batch)
+            i += size
+        if i < n:
+            pending.append(tuple(None if a is None else a[i:] for a in chunk))
+    if pending:
+        yield (*_cat(pending), batch)
 
 
 def _cut(buf: tuple, rows: int, size: int, rng, batch: int, cut: int) -> Iterator[tuple]:
