@@ -157,6 +157,9 @@ def test_memmap_blocks_in_order_are_views_of_the_file_joined_only_across_chunks(
     held = [p[0] for p in stream.blocks(source, 16, part=("validation", 0.2, 5))]
     np.testing.assert_array_equal(np.concatenate(held), X[stream.held_rows(0, N, N, ("validation", 0.2, 5))])
     _same(_fit(X, y, sw), _fit(str(tmp_path)))
+    writable = np.lib.format.open_memmap(tmp_path / "X.npy", mode="r+")  # NOTE: the user's own array: left as it is
+    _same(_fit(X, y, sw), _fit(writable, y, sw))
+    np.testing.assert_array_equal(np.load(tmp_path / "X.npy"), X)
 
 
 def test_parquet_sample_weight_column_and_features(data, tmp_path):
