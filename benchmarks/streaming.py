@@ -5,7 +5,8 @@ fitted on the arrays, one on the file, as a user's would be) alternate a fit on 
 rows in a Parquet file (row groups of 8192 rows, no dictionary encoding:
 random floats never repeat, and trying costs 2.7× on read), ``--rounds`` times; the
 ratio is the median of the paired ratios in-memory time / streamed time (>= 0.9 is the target). "Reading alone"
-is the time to read and cut the file into blocks once, nothing trained: what the prefetch thread must hide.
+is the time to read and cut the file into blocks once, nothing trained: what the prefetch thread must hide (a
+``.npy`` folder in order: ~0, its blocks are views of the file, read when the step reads them).
 W1 runs at its own 750 rows, which a fit reads whole and trains as arrays (at most ``stream.CACHE_BYTES``,
 12 MB), 10× ``--epochs`` a fit (opening the file would weigh on 3 epochs of 5 ms), and at 120,000 rows
 ("W1x160", 48 MB), read from the file every epoch. "W3-list" is W3 written as one FixedSizeList column of 784
