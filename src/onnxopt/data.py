@@ -50,8 +50,10 @@ def as_array(value, dtype, name: str) -> np.ndarray:
 
 def all_finite(a: np.ndarray) -> bool:
     """Whether every value of the float array ``a`` is finite: a finite sum says so without a mask as large as
-    ``a`` (a streamed fit checks every block and, after it, every weight)."""
-    return bool(np.isfinite(a.sum()) or np.isfinite(a).all())
+    ``a`` (a streamed fit checks every block and, after it, every weight). A sum that overflows warns nothing."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = a.sum()
+    return bool(np.isfinite(total) or np.isfinite(a).all())
 
 
 def _check_finite(arr: np.ndarray, name: str, allow_nan: bool | None) -> None:
