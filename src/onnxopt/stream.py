@@ -420,9 +420,9 @@ def _views(chunks: Iterator[tuple], batch: int) -> Iterator[tuple]:
     piece = lambda chunk, a, b: tuple(None if x is None else x[a:b] for x in chunk)  # noqa: E731
     for chunk in chunks:
         size = size or _block_rows(chunk, batch)
-        n = len(chunk[0])
-        start = min(n, size - held) if pending else 0
+        n, start = len(chunk[0]), 0
         if pending:
+            start = min(n, size - held)
             pending.append(piece(chunk, 0, start))
             held += start
             if held < size:
